@@ -1,0 +1,102 @@
+"""How one module is changed, recorded, and changed back: the one tree rewriter of shrinkwrap.
+
+Every transform goes through :func:`replace` (swap the modules at some dotted names) and
+:func:`record` (write what it did on the model). The records live on the root module as a plain
+list attribute, so they travel with ``copy.deepcopy``, pickling and ``torch.save(model)``, and they
+hold what :func:`revert` needs to restore the original objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch.nn as nn
+
+_RECORDS = "_shrinkwrap_records"
+
+
+class Undo(Protocol):
+    def undo(self, model: nn.Module) -> None: ...
+
+
+@dataclass
+class Replaced:
+    """The module at ``name`` was replaced; ``original`` is what stood there before."""
+
+    name: str
+    original: nn.Module
+
+    def undo(self, model: nn.Module) -> None:
+        set_module(model, self.name, self.original)
+
+
+@dataclass
+class Record:
+    """What one step did to a model: its text, the names it acted on, the names it passed over
+    (with the reason), and how to undo it."""
+
+    step: str
+    matched: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+    undo: list = field(default_factory=list)
+
+
+def get_module(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at dotted ``name`` and return what stood there."""
+    if not name:
+        raise ValueError("shrinkwrap: the root module cannot be replaced in place")
+    parent_name, _, attr = name.rpartition(".")
+    parent = get_module(model, parent_name)
+    old = parent._modules[attr]
+    parent._modules[attr] = new  # same slot, same order; bypasses attribute forwarding
+    return old
+
+
+def replace(
+    model: nn.Module, names: Iterable[str], make: Callable[[str, nn.Module], nn.Module]
+) -> list[Replaced]:
+    """Replace the module at each name by ``make(name, module)``; return the undo entries."""
+    done = []
+    for name in names:
+        old = get_module(model, name)
+        new = make(name, old)
+        if new is not old:
+            set_module(model, name, new)
+            done.append(Replaced(name, old))
+    return done
+
+
+def records(model: nn.Module) -> list[Record]:
+    """What shrinkwrap has applied to ``model``, oldest first (an empty list if nothing)."""
+    return model.__dict__.get(_RECORDS, [])
+
+
+def record(model: nn.Module, rec: Record) -> Record:
+    if _RECORDS not in model.__dict__:
+        object.__setattr__(model, _RECORDS, [])
+    model.__dict__[_RECORDS].append(rec)
+    return rec
+
+
+def revert(model: nn.Module, keep: int = 0) -> nn.Module:
+    """Undo what shrinkwrap applied to ``model``, newest first, down to the first ``keep`` records.
+
+    The original module objects are put back where they stood, so references taken before the
+    transform (an optimizer's parameters, hooks) stay valid. Returns ``model``.
+
+    Example::
+
+        >>> sw.apply(model, sw.Plan([sw.checkpoint("layer1")]))
+        >>> sw.revert(model)   # model.layer1 is the original Sequential again
+    """
+    recs = records(model)
+    while len(recs) > keep:
+        rec = recs.pop()
+        for entry in reversed(rec.undo):
+            entry.undo(model)
+    return model

@@ -1,0 +1,108 @@
+"""A wrapper module that adds no level to the module tree's names.
+
+A plain wrapper (``self.module = inner``) renames every parameter from ``layer1.0.weight`` to
+``layer1.module.0.weight``, which breaks checkpoints, optimizers keyed by name, PEFT and FSDP.
+``TransparentWrapper`` instead *shares* the wrapped module's ``_parameters``, ``_buffers`` and
+``_modules`` dictionaries, so the tree below it is the wrapped module's own tree, under the same
+names, while ``print(model)`` still shows the wrapper. The wrapped module is kept outside the tree
+(in ``__dict__``), so it is the very same object that :func:`shrinkwrap.revert` puts back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch.nn as nn
+
+# Attributes that belong to the wrapper itself; any other attribute set on a wrapper is set on
+# the wrapped module, where its forward will read it.
+_OWN = ("training",)
+
+
+class TransparentWrapper(nn.Module):
+    """Base class of shrinkwrap's wrappers. Subclasses define ``forward`` and ``label``."""
+
+    label = "Wrapped"
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"shrinkwrap: expected an nn.Module to wrap, got {type(module).__name__}")
+        super().__init__()
+        object.__setattr__(self, "_sw_inner", module)
+        # Shared, not copied: .to(), load_state_dict, register_buffer on either object act on both.
+        object.__setattr__(self, "_parameters", module._parameters)
+        object.__setattr__(self, "_buffers", module._buffers)
+        object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
+        object.__setattr__(self, "_modules", module._modules)
+        object.__setattr__(self, "training", module.training)
+
+    @property
+    def wrapped(self) -> nn.Module:
+        """The original module (the same object that was wrapped)."""
+        return self.__dict__["_sw_inner"]
+
+    # -- attribute access reaches the wrapped module ----------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_sw_inner")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_sw_inner")
+        if inner is None or name.startswith("_") or name in _OWN:
+            super().__setattr__(name, value)
+        else:
+            setattr(inner, name, value)
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self.wrapped[idx]
+
+    def __len__(self) -> int:
+        return len(self.wrapped)
+
+    def __bool__(self) -> bool:
+        # Defining __len__ would otherwise make `if module:` raise for wrapped non-containers.
+        return True
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.wrapped)
+
+    # -- module behaviour that must follow the wrapped module --------------------------------
+    def train(self, mode: bool = True) -> "TransparentWrapper":
+        # The wrapped module's own train() runs (it may freeze its BatchNorm, say) and walks the
+        # shared children; the wrapper only mirrors the flag.
+        self.wrapped.train(mode)
+        object.__setattr__(self, "training", mode)
+        return self
+
+    def apply(self, fn):  # type: ignore[override]
+        self.wrapped.apply(fn)
+        return self
+
+    @property
+    def _version(self) -> int:  # type: ignore[override]
+        # state_dict metadata records the wrapped module's format version, not the wrapper's.
+        return getattr(self.wrapped, "_version", 1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
+        self.wrapped._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[override]
+        self.wrapped._load_from_state_dict(*args, **kwargs)
+
+    def _get_name(self) -> str:
+        return f"{self.label}[{self.wrapped._get_name()}]"
+
+    def extra_repr(self) -> str:
+        return self.wrapped.extra_repr()
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside any number of shrinkwrap wrappers (the module itself if unwrapped)."""
+    while isinstance(module, TransparentWrapper):
+        module = module.wrapped
+    return module

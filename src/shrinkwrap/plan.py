@@ -1,0 +1,235 @@
+"""Plans: an ordered, serialisable list of steps, applied to a model in place.
+
+A step is a small frozen dataclass with ``check(model)`` (raise before anything changes) and
+``apply(model)``. ``str(plan)`` writes the steps as calls, comma-separated::
+
+    checkpoint('layer[12]'), swish(), autocast(torch.bfloat16)
+
+and :meth:`Plan.parse` reads that text back (string, number, bool, None, list and tuple
+literals; dtypes as ``bfloat16`` or ``torch.bfloat16``; module types as dotted import paths).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+from typing import Any, ClassVar, Iterable, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from . import _rewrite
+
+_STEPS: dict[str, type["Step"]] = {}
+
+
+class PlanError(ValueError):
+    """A plan is invalid: unknown step, bad text, or steps that contradict each other."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Base class of plan steps. Subclasses are frozen dataclasses that set ``name``.
+
+    ``lossy`` marks steps that change the numbers (precision changes); exact steps leave
+    outputs, gradients and buffers as the untransformed model's.
+    """
+
+    name: ClassVar[str] = ""
+    lossy: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            _STEPS[cls.name] = cls
+
+    def check(self, model: nn.Module) -> None:
+        """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
+
+    def apply(self, model: nn.Module) -> nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def conflict(self, other: "Step") -> str | None:
+        """Why this step cannot share a plan with ``other`` (None if it can)."""
+        return None
+
+    def __str__(self) -> str:
+        fields = dataclasses.fields(self)
+        parts = []
+        for i, f in enumerate(fields):
+            value = getattr(self, f.name)
+            if i == 0 and f.default is dataclasses.MISSING:
+                parts.append(_literal(value))
+            elif value != f.default:
+                parts.append(f"{f.name}={_literal(value)}")
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value)  # 'torch.bfloat16'
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if callable(value):
+        return f"<{getattr(value, '__qualname__', type(value).__name__)}>"
+    return repr(value)
+
+
+class Plan:
+    """An ordered list of steps.
+
+    Example::
+
+        >>> plan = Plan([checkpoint(r"layer[12]"), swish()])
+        >>> str(plan)
+        "checkpoint('layer[12]'), swish()"
+        >>> Plan.parse(str(plan)) == plan
+        True
+        >>> model = plan.apply(model)   # or shrinkwrap.apply(model, plan)
+    """
+
+    def __init__(self, steps: Iterable[Step] = ()) -> None:
+        self.steps: tuple[Step, ...] = tuple(steps)
+        for s in self.steps:
+            if not isinstance(s, Step):
+                raise PlanError(f"shrinkwrap: a plan holds steps such as checkpoint(...); got {s!r}")
+        for i, a in enumerate(self.steps):
+            for b in self.steps[i + 1 :]:
+                why = a.conflict(b) or b.conflict(a)
+                if why:
+                    raise PlanError(f"shrinkwrap: {a} and {b} cannot share a plan: {why}")
+
+    def __str__(self) -> str:
+        return ", ".join(str(s) for s in self.steps)
+
+    def __repr__(self) -> str:
+        return f"Plan({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.steps == other.steps
+
+    def __hash__(self) -> int:
+        return hash(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __add__(self, other: "Plan | Step | Sequence[Step]") -> "Plan":
+        more = (other,) if isinstance(other, Step) else tuple(other)
+        return Plan(self.steps + more)
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """Read the text that ``str(plan)`` writes. Raises :class:`PlanError` on bad text."""
+        _load_steps()
+        try:
+            tree = ast.parse(f"[{text}]", mode="eval")
+        except SyntaxError as exc:
+            raise PlanError(f"shrinkwrap: cannot read plan {text!r}: {exc.msg}") from None
+        steps = []
+        for node in tree.body.elts:  # type: ignore[attr-defined]
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                raise PlanError(f"shrinkwrap: expected a step like swish() in plan, got {ast.unparse(node)!r}")
+            step_cls = _STEPS.get(node.func.id)
+            if step_cls is None:
+                raise PlanError(
+                    f"shrinkwrap: unknown step {node.func.id!r}; known steps: {', '.join(sorted(_STEPS))}"
+                )
+            args = [_value(a) for a in node.args]
+            kwargs = {k.arg: _value(k.value) for k in node.keywords if k.arg}
+            try:
+                steps.append(step_cls(*args, **kwargs))
+            except TypeError as exc:
+                raise PlanError(f"shrinkwrap: bad arguments in {ast.unparse(node)!r}: {exc}") from None
+        return cls(steps)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Apply every step to ``model`` in place and return it.
+
+        Every step is checked first, so a plan that cannot be applied raises before any module
+        changes; should a step still fail midway, the steps already applied are reverted. A step
+        that was already applied to this model is skipped, so applying a plan twice is a no-op.
+        """
+        for step in self.steps:
+            step.check(model)
+        done = {r.step for r in _rewrite.records(model)}
+        keep = len(_rewrite.records(model))
+        try:
+            for step in self.steps:
+                if str(step) not in done:
+                    step.apply(model)
+                    done.add(str(step))
+        except BaseException:
+            _rewrite.revert(model, keep=keep)
+            raise
+        return model
+
+    def measure(self, model_or_factory: Any, batch: Any, **kwargs: Any) -> Any:
+        """Measure the baseline and each step of this plan; see :func:`shrinkwrap.measure.plan_report`."""
+        from .measure import plan_report
+
+        return plan_report(self, model_or_factory, batch, **kwargs)
+
+
+def _value(node: ast.AST) -> Any:
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        dotted = ast.unparse(node)
+        short = dotted.removeprefix("torch.")
+        if isinstance(getattr(torch, short, None), torch.dtype):
+            return getattr(torch, short)
+        module, _, attr = dotted.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), attr) if module else None
+        except (ImportError, AttributeError):
+            obj = None
+        if isinstance(obj, type):
+            return obj
+        raise PlanError(f"shrinkwrap: {dotted!r} in a plan is neither a dtype nor an importable module type")
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_value(e) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise PlanError(f"shrinkwrap: cannot read {ast.unparse(node)!r} in a plan") from None
+
+
+def _load_steps() -> None:
+    importlib.import_module("shrinkwrap.transforms")
+
+
+PlanLike = Union[Plan, Step, Sequence[Step], str]
+
+
+def as_plan(plan: PlanLike) -> Plan:
+    """A :class:`Plan` from a plan, a step, a list of steps or the plan's text."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Step):
+        return Plan([plan])
+    if isinstance(plan, str):
+        return Plan.parse(plan)
+    return Plan(plan)
+
+
+def apply(model: nn.Module, plan: PlanLike) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return the same model.
+
+    ``plan`` is a :class:`Plan`, a list of steps, one step, or the plan's text.
+
+    Example::
+
+        >>> import shrinkwrap as sw
+        >>> model = sw.apply(model, sw.Plan([sw.checkpoint(r"layer[12]")]))
+        >>> model = sw.apply(model, "checkpoint('layer[12]')")   # the same, from text
+    """
+    return as_plan(plan).apply(model)

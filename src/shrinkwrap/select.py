@@ -1,0 +1,115 @@
+"""Which submodules a transform acts on: the one selection function of shrinkwrap.
+
+A pattern is one of:
+
+- a string: a full-match regular expression (the ``regex`` package) on the dotted module name,
+  e.g. ``r"layer[12]"`` matches ``layer1`` and ``layer2`` but not ``layer1.0``;
+- a module type or a tuple of types: every module that is an instance;
+- a list (or tuple) of exact dotted names;
+- a predicate ``fn(module, name) -> bool``.
+
+The root module (name ``""``) is never selected. Shrinkwrap's own wrappers are seen through: a
+checkpointed ``BasicBlock`` still matches ``BasicBlock``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Sequence, Union
+
+import regex
+import torch.nn as nn
+
+from ._wrapper import unwrap
+
+Pattern = Union[str, type, tuple, Sequence[str], Callable[[nn.Module, str], bool]]
+
+
+class SelectionError(ValueError):
+    """A pattern is invalid or matches no module of the model."""
+
+
+def describe(pattern: Pattern) -> str:
+    """A short human-readable form of a pattern, for messages and reports."""
+    if isinstance(pattern, str):
+        return repr(pattern)
+    if isinstance(pattern, type):
+        return pattern.__name__
+    if isinstance(pattern, (list, tuple)):
+        return "[" + ", ".join(describe(p) for p in pattern) + "]"
+    return getattr(pattern, "__qualname__", repr(pattern))
+
+
+def _matcher(pattern: Pattern) -> Callable[[nn.Module, str], bool]:
+    if isinstance(pattern, str):
+        try:
+            rx = regex.compile(pattern)
+        except regex.error as exc:
+            raise SelectionError(f"shrinkwrap: invalid regular expression {pattern!r}: {exc}") from None
+        return lambda module, name: rx.fullmatch(name) is not None
+    if isinstance(pattern, type) or (
+        isinstance(pattern, tuple) and pattern and all(isinstance(p, type) for p in pattern)
+    ):
+        return lambda module, name: isinstance(module, pattern)
+    if isinstance(pattern, (list, tuple)):
+        if not all(isinstance(p, str) for p in pattern):
+            raise SelectionError(
+                f"shrinkwrap: a list pattern must hold module names (strings), got {describe(pattern)}"
+            )
+        wanted = set(pattern)
+        return lambda module, name: name in wanted
+    if callable(pattern):
+        return lambda module, name: bool(pattern(module, name))
+    raise SelectionError(
+        f"shrinkwrap: cannot select modules with {pattern!r}; use a regex string, a module type, "
+        "a list of names or a predicate fn(module, name) -> bool"
+    )
+
+
+def _close_names(pattern: Pattern, names: list[str], n: int = 5) -> list[str]:
+    key = pattern if isinstance(pattern, str) else describe(pattern)
+    close = difflib.get_close_matches(key, names, n=n, cutoff=0.3)
+    return close or names[:n]
+
+
+def select(
+    model: nn.Module, pattern: Pattern, *, outermost: bool = False, allow_empty: bool = False
+) -> list[str]:
+    """Return the dotted names of the submodules of ``model`` that ``pattern`` selects.
+
+    Names come in ``model.named_modules()`` order. With ``outermost=True`` a match inside another
+    match is dropped (``layer1`` and ``layer1.0`` both match: only ``layer1`` is returned).
+
+    Raises :class:`SelectionError` for an invalid pattern, and for a pattern that matches nothing
+    (unless ``allow_empty``), naming the pattern and a few of the model's real names close to it.
+
+    Example::
+
+        >>> select(torchvision.models.resnet18(), r"layer[12]")
+        ['layer1', 'layer2']
+    """
+    match = _matcher(pattern)
+    names: list[str] = []
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        names.append(name)
+        if outermost and any(name.startswith(c + ".") for c in chosen):
+            continue
+        if match(unwrap(module), name):
+            chosen.append(name)
+    if isinstance(pattern, (list, tuple)) and pattern and all(isinstance(p, str) for p in pattern):
+        missing = [p for p in pattern if p not in names]
+        if missing:
+            raise SelectionError(
+                f"shrinkwrap: no module named {', '.join(map(repr, missing))} in "
+                f"{type(model).__name__}; close names: {', '.join(_close_names(missing[0], names))}"
+            )
+    if not chosen and not allow_empty:
+        raise SelectionError(
+            f"shrinkwrap: pattern {describe(pattern)} matches no module of {type(model).__name__} "
+            f"(a string pattern must match the whole dotted name). Close names: "
+            f"{', '.join(_close_names(pattern, names)) or '(the model has no submodules)'}"
+        )
+    return chosen

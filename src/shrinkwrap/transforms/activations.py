@@ -1,0 +1,1 @@
+"""Activation transforms (issue 3): memory-efficient Swish/Mish/Hard-Swish and BatchNorm+activation recompute."""

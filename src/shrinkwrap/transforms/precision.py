@@ -1,0 +1,1 @@
+"""Precision transforms (issue 4): autocast and half."""
