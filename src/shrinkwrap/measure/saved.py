@@ -28,8 +28,7 @@ class SavedTensors:
 
         >>> with SavedTensors() as saved:
         ...     loss = model(x).sum()
-        >>> saved.bytes
-        1048576
+        >>> saved.bytes, saved.count   # bytes and number of unique storages
     """
 
     def __init__(self) -> None:
