@@ -103,6 +103,15 @@ def test_batchnorm_statistics_match_after_training_steps():
     assert model.layer1.bn1.num_batches_tracked.item() == 3
 
 
+def test_batchnorm_inside_other_wrappers_is_counted_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.SiLU()), nn.Conv2d(4, 2, 1))
+    sw.apply(model, [sw.bn_act(), sw.checkpoint("0")])
+    assert isinstance(model[0][1], sw.FusedBatchNormAct)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert model[0][1].num_batches_tracked.item() == 1
+
+
 def test_plain_torch_checkpoint_double_counts_batchnorm():
     # The defect this package fixes; if torch ever fixes it, this test tells us.
     bn = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))

@@ -17,6 +17,12 @@ def test_text_round_trip():
     assert plan.steps[0].pattern == "layer[12]"
 
 
+def test_regexes_are_written_as_raw_strings():
+    plan = sw.Plan([sw.checkpoint(r"layer\d\.\d+"), sw.checkpoint("a'\\d")])
+    assert str(plan) == "checkpoint(r'layer\\d\\.\\d+'), checkpoint(\"a'\\\\d\")"
+    assert sw.Plan.parse(str(plan)) == plan
+
+
 def test_apply_accepts_plan_steps_and_text():
     for plan in (sw.Plan([sw.checkpoint("layer1")]), [sw.checkpoint("layer1")], sw.checkpoint("layer1"), "checkpoint('layer1')"):
         model = Net()

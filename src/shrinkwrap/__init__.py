@@ -17,9 +17,24 @@ from .transforms.checkpoint import Checkpoint, CheckpointModule, apply_checkpoin
 checkpoint = Checkpoint
 
 # --- activations (issue 3) ---
+from .transforms.activations import (
+    BnAct,
+    FusedBatchNormAct,
+    MemoryEfficientSwish,
+    Swish,
+    apply_bn_act,
+    apply_swish,
+)
+
+swish = Swish
+bn_act = BnAct
 # --- end activations ---
 
 # --- precision (issue 4) ---
+from .transforms.precision import Autocast, Half, apply_autocast, apply_half
+
+autocast = Autocast
+half = Half
 # --- end precision ---
 
 # --- measure, report, cli (issue 5) ---

@@ -67,6 +67,8 @@ class Step:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, str) and "\\" in value and not value.endswith("\\") and not set("'\n\r") & set(value):
+        return f"r'{value}'"  # regexes read as users write them: r'layer\d\.\d+'
     if isinstance(value, torch.dtype):
         return str(value)  # 'torch.bfloat16'
     if isinstance(value, type):

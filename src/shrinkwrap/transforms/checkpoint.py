@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .. import _rewrite
-from .._wrapper import TransparentWrapper
+from .._wrapper import TransparentWrapper, unwrap
 from ..plan import Step
 from ..select import Pattern, SelectionError, select
 
@@ -43,7 +43,7 @@ class _RestoreNormStats:
         self.saved = [
             (buf, buf.clone())
             for m in self.module.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase)
+            if isinstance(unwrap(m), nn.modules.batchnorm._NormBase)  # also a BatchNorm inside bn_act
             for buf in m.buffers(recurse=False)
         ]
 

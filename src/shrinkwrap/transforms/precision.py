@@ -1,1 +1,531 @@
-"""Precision transforms (issue 4): autocast and half."""
+"""Precision transforms: run the forward under autocast, or store the model in a half dtype.
+
+Both are lossy (``Step.lossy``): outputs move away from the float32 model's by the rounding of the
+half dtype. As a rule of thumb for a well-scaled network, bfloat16 (8 significant bits) gives a
+relative error around 1e-2 on the output, float16 (11 bits) around 1e-3; the tests hold bfloat16
+autocast to 2e-2 (``torch.linalg.norm(out - ref) / torch.linalg.norm(ref)``).
+
+- :class:`Autocast` (``autocast(dtype, pattern=None)``) runs the whole model's forward, or that of
+  the modules ``pattern`` selects, under ``torch.autocast`` for the device of its inputs: matmuls
+  and convolutions compute in ``dtype`` and save their inputs for backward in ``dtype``, which
+  roughly halves activation memory. Parameters stay float32. Floating outputs in ``dtype`` are cast
+  back to float32 unless ``keep_output_dtype=True``.
+- :class:`Half` (``half(dtype, keep=...)``) casts parameters and buffers to ``dtype`` in place
+  (the seed's "brute force" ``model.half()``), except the modules ``keep`` selects (normalisation
+  layers by default), which stay float32 behind a ``KeepFloat`` wrapper.
+
+``autocast(d)`` and ``half(d)`` of the same dtype compose: parameters are stored in ``d``, and
+autocast still runs the ops it keeps in float32 (softmax, losses, norms) in float32 and returns
+float32 outputs. Steps naming different dtypes contradict each other and cannot share a plan.
+
+float16 needs loss scaling: an ``Autocast`` step with float16 has ``needs_grad_scaler == True``;
+the measuring harness uses ``torch.amp.GradScaler`` when a step of the plan says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import _rewrite
+from .._wrapper import TransparentWrapper
+from ..plan import Plan, PlanError, Step
+from ..select import Pattern, SelectionError, select
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# -- tensors inside nested inputs and outputs ---------------------------------------------------
+def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every floating tensor in it, through tuples, lists, dicts
+    and dataclasses (Hugging Face ``ModelOutput`` is both a dict and a dataclass)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_map_floats(o, fn) for o in obj]
+        return type(obj)._make(items) if hasattr(type(obj), "_make") else type(obj)(items)
+    if isinstance(obj, dict):
+        items = {key: _map_floats(value, fn) for key, value in obj.items()}
+        if type(obj) is dict:  # the common case, and one torch.compile traces without a break
+            return items
+        new = copy.copy(obj)  # keeps the dict's own type and attributes (ModelOutput, OrderedDict)
+        for key, value in items.items():
+            new[key] = value
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _map_floats(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def _floats(obj: Any) -> Iterator[torch.Tensor]:
+    """The floating tensors in ``obj``, in order, through the structures :func:`_map_floats` knows."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _floats(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _floats(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _floats(getattr(obj, f.name))
+
+
+def _device(module: nn.Module) -> torch.device:
+    t = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def _cast_to(dtype: torch.dtype, only: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function casting a tensor to ``dtype`` (only tensors of dtype ``only``, if given)."""
+    return lambda t: t if only is not None and t.dtype != only else t.to(dtype)
+
+
+# -- autocast -----------------------------------------------------------------------------------
+def _region(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> torch.autocast | None:
+    """The autocast context for one call, on the device of the first floating input (of the
+    module's parameters when there is none: token ids); None where an enclosing region, the
+    user's or shrinkwrap's, already runs ``dtype`` there: no second region, no output cast."""
+    first = next(_floats((args, kwargs)), None)
+    device = first.device.type if first is not None else _device(module).type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
+        return None
+    return torch.autocast(device, dtype=dtype)
+
+
+def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
+    return out if keep_output_dtype else _map_floats(out, _cast_to(torch.float32, only=dtype))
+
+
+class AutocastModule(TransparentWrapper):
+    """Run ``module``'s forward under ``torch.autocast(dtype)``, changing no parameter name.
+
+    Example::
+
+        >>> model.encoder = AutocastModule(model.encoder, torch.bfloat16)   # or apply_autocast
+        >>> print(model.encoder)   # Autocast[Encoder](...)
+    """
+
+    label = "Autocast"
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, *, keep_output_dtype: bool = False) -> None:
+        super().__init__(module)
+        self._sw_dtype = dtype
+        self._sw_keep_output_dtype = keep_output_dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        region = _region(self._sw_dtype, self.wrapped, args, kwargs)
+        if region is None:
+            return self.wrapped(*args, **kwargs)
+        with region:
+            out = self.wrapped(*args, **kwargs)
+        return _outputs(out, self._sw_dtype, self._sw_keep_output_dtype)
+
+
+class _AutocastRoot:
+    """The root module's autocast region: ``enter`` is its forward pre-hook, ``exit`` its forward
+    hook, registered with ``always_call=True`` so that an exception in forward still closes the
+    region. A plain object (not a closure), so the model still deep-copies and pickles."""
+
+    def __init__(self, dtype: torch.dtype, keep_output_dtype: bool) -> None:
+        self.dtype = dtype
+        self.keep_output_dtype = keep_output_dtype
+        # Per thread: autocast state is thread-local, and DataParallel replicas share these hooks.
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {"dtype": self.dtype, "keep_output_dtype": self.keep_output_dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def _open(self) -> list:
+        if not hasattr(self._local, "open"):
+            self._local.open = []
+        return self._local.open
+
+    # torch.compile cannot trace a region opened in one hook and closed in another: these run
+    # eagerly (a graph break), and the compiled forward between them sees autocast as on.
+    @torch.compiler.disable
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        region = _region(self.dtype, module, args, kwargs)
+        if region is not None:
+            region.__enter__()
+        self._open().append(region)
+
+    @torch.compiler.disable
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self._open():  # a pre-hook before ours raised: we opened nothing
+            return None
+        region = self._open().pop()
+        if region is None:
+            return None
+        region.__exit__(None, None, None)
+        return None if output is None else _outputs(output, self.dtype, self.keep_output_dtype)
+
+
+class _Label:
+    """Stands in for the root's ``_get_name`` so ``print(model)`` shows ``Autocast[ResNet]``; a
+    plain object so the model still pickles."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self) -> str:
+        return self.text
+
+
+@dataclasses.dataclass
+class RootHooks:
+    """Undo entry: hooks shrinkwrap put on the root module (which cannot be replaced in place),
+    and the root's ``_get_name`` before them (None: the class's own)."""
+
+    kind: str
+    handles: list[RemovableHandle]
+    label: Any = None
+
+    def undo(self, model: nn.Module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self.label is None:
+            model.__dict__.pop("_get_name", None)
+        else:
+            model.__dict__["_get_name"] = self.label
+
+
+def _hook_root(model: nn.Module, kind: str, pre: Callable, post: Callable | None = None) -> RootHooks:
+    entry = RootHooks(kind, [model.register_forward_pre_hook(pre, with_kwargs=True)],
+                      model.__dict__.get("_get_name"))
+    if post is not None:
+        entry.handles.append(model.register_forward_hook(post, always_call=True))
+    model.__dict__["_get_name"] = _Label(f"{kind}[{model._get_name()}]")
+    return entry
+
+
+def _undo_entries(model: nn.Module) -> Iterator[Any]:
+    for rec in _rewrite.records(model):
+        yield from rec.undo
+
+
+def _applied_steps(model: nn.Module) -> list[Step]:
+    steps: list[Step] = []
+    for rec in _rewrite.records(model):
+        try:
+            steps += Plan.parse(rec.step).steps
+        except PlanError:  # a step with a predicate pattern prints as <name> and cannot be read back
+            pass
+    return steps
+
+
+def _refuse_conflicts(step: Step, model: nn.Module) -> None:
+    for done in _applied_steps(model):
+        why = step.conflict(done) or done.conflict(step)
+        if why:
+            raise ValueError(
+                f"shrinkwrap: cannot apply {step} to {type(model).__name__}, which already has {done}: "
+                f"{why}. Call shrinkwrap.revert(model) first."
+            )
+
+
+def _check_model(step: Step, model: nn.Module, dtype: torch.dtype, *, autocast: bool) -> None:
+    """Raise if ``step`` contradicts a step the model already has, or unless ``dtype`` (under
+    autocast, or as a plain dtype) runs a matmul where the model is."""
+    _refuse_conflicts(step, model)
+    device = _device(model)
+    if autocast and not torch.amp.is_autocast_available(device.type):
+        raise ValueError(
+            f"shrinkwrap: {step}: torch {torch.__version__} has no autocast for device {device.type!r}, "
+            f"where {type(model).__name__}'s parameters are. Move the model to cuda or cpu, or use half()."
+        )
+    x = torch.ones(2, 2, device=device)
+    try:
+        if autocast:
+            with torch.autocast(device.type, dtype=dtype):
+                y = x @ x
+        else:
+            y = x.to(dtype) @ x.to(dtype)
+        why = None if y.dtype == dtype else f"the test matmul ran in {y.dtype}"
+    except RuntimeError as exc:
+        why = str(exc).splitlines()[0]
+    if why:
+        other = HALF_DTYPES[1 - HALF_DTYPES.index(dtype)]
+        raise ValueError(
+            f"shrinkwrap: {step} cannot run on {device} with torch {torch.__version__} ({why}). "
+            f"Use {other} there, or move the model to a device that runs {dtype}."
+        )
+
+
+def _check_dtype(step: Step, dtype: Any) -> None:
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"shrinkwrap: {step.name}() takes torch.float16 or torch.bfloat16, got {dtype!r}")
+
+
+def _other_dtype(dtype: torch.dtype, other: Step) -> str | None:
+    if isinstance(other, (Autocast, Half)) and other.dtype != dtype:
+        return f"one computes in {dtype} and the other in {other.dtype}; use one dtype"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Autocast(Step):
+    """Step: run the forward of the model (``pattern=None``) or of the modules ``pattern`` selects
+    under ``torch.autocast(device, dtype)``, the device being that of the inputs.
+
+    Parameters stay float32; floating outputs in ``dtype`` come back as float32 unless
+    ``keep_output_dtype=True`` (then a module outside the region receives ``dtype`` tensors).
+    float16 needs a ``torch.amp.GradScaler`` in training: ``needs_grad_scaler`` says so. Applying
+    it again, or to modules inside a region it already covers, changes nothing; ``revert`` removes
+    it. The root module gets forward hooks (it cannot be replaced); selected submodules an
+    ``AutocastModule`` wrapper. Lossy: see the module docstring for the tolerance.
+
+    Example::
+
+        >>> sw.apply(model, sw.Plan([sw.autocast(torch.bfloat16)]))
+        >>> print(model)   # Autocast[ResNet](...)
+    """
+
+    name = "autocast"
+    lossy = True
+
+    dtype: torch.dtype
+    pattern: Pattern | None = None
+    keep_output_dtype: bool = False
+
+    def __post_init__(self) -> None:
+        _check_dtype(self, self.dtype)
+        if isinstance(self.pattern, list):
+            object.__setattr__(self, "pattern", tuple(self.pattern))
+
+    @property
+    def needs_grad_scaler(self) -> bool:
+        """True for float16, whose small gradients underflow without loss scaling."""
+        return self.dtype == torch.float16
+
+    def conflict(self, other: Step) -> str | None:
+        return _other_dtype(self.dtype, other)
+
+    def _targets(self, model: nn.Module) -> tuple[list[str], list[tuple[str, str]]]:
+        """The names to wrap ("" for the root) and the names passed over, with why."""
+        at_root = any(isinstance(e, RootHooks) and e.kind == "Autocast" for e in _undo_entries(model))
+        if self.pattern is None:
+            return ([], [("", "already autocast")]) if at_root else ([""], [])
+        regions = [n for n, m in model.named_modules() if isinstance(m, AutocastModule)]
+        wrap, skipped = [], []
+        for name in select(model, self.pattern, outermost=True):
+            module = model.get_submodule(name)
+            enclosing = next((r for r in regions if name.startswith(r + ".")), None)
+            if at_root:
+                skipped.append((name, "inside the autocast root"))
+            elif isinstance(module, AutocastModule):
+                skipped.append((name, "already autocast"))
+            elif enclosing is not None:
+                skipped.append((name, f"inside autocast {enclosing!r}"))
+            elif type(module).forward is nn.Module.forward:
+                raise SelectionError(
+                    f"shrinkwrap: cannot autocast {name!r} ({type(module).__name__}): it has no "
+                    f"forward of its own. Select the modules inside it, e.g. r'{name}\\.\\d+'."
+                )
+            else:
+                wrap.append(name)
+        return wrap, skipped
+
+    def check(self, model: nn.Module) -> None:
+        _check_model(self, model, self.dtype, autocast=True)
+        self._targets(model)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self.check(model)
+        wrap, skipped = self._targets(model)
+        # Never a region inside a region: a new one absorbs those inside it (the root: all).
+        inner = [
+            n for n, m in model.named_modules()
+            if isinstance(m, AutocastModule) and any(w == "" or n.startswith(w + ".") for w in wrap)
+        ]
+        undo: list[Any] = _rewrite.replace(model, inner, lambda n, m: m.wrapped)
+        if wrap == [""]:
+            hooks = _AutocastRoot(self.dtype, self.keep_output_dtype)
+            undo.append(_hook_root(model, "Autocast", hooks.enter, hooks.exit))
+        else:
+            undo += _rewrite.replace(
+                model, wrap,
+                lambda n, m: AutocastModule(m, self.dtype, keep_output_dtype=self.keep_output_dtype),
+            )
+        _rewrite.record(model, _rewrite.Record(str(self), tuple(wrap), tuple(skipped), undo))
+        return model
+
+
+def apply_autocast(
+    model: nn.Module,
+    dtype: torch.dtype = torch.bfloat16,
+    pattern: Pattern | None = None,
+    *,
+    keep_output_dtype: bool = False,
+) -> nn.Module:
+    """Run ``model``'s forward (or that of the modules ``pattern`` selects) under autocast, in
+    place; return ``model``. See :class:`Autocast`.
+
+    Raises ``ValueError`` for a dtype other than float16/bfloat16 or one the model's device cannot
+    run under autocast, ``SelectionError`` for a pattern that matches nothing.
+
+    Example::
+
+        >>> apply_autocast(model, torch.bfloat16)
+        >>> model(x).dtype
+        torch.float32
+    """
+    return Autocast(dtype, pattern, keep_output_dtype).apply(model)
+
+
+# -- half ---------------------------------------------------------------------------------------
+def is_norm(module: nn.Module, name: str = "") -> bool:
+    """The default ``keep`` of :class:`Half`: BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
+    ``nn.RMSNorm`` and classes named ``*RMSNorm`` or ``*LayerNorm`` (Llama's, T5's)."""
+    norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+    return isinstance(module, norms) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    t = next((t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()), None)
+    return t.dtype if t is not None else torch.float32
+
+
+class KeepFloatModule(TransparentWrapper):
+    """Keep ``module`` in its own (float32) dtype inside a half model: floating inputs are cast up
+    to its parameters' dtype, floating outputs back to ``dtype``.
+
+    Example::
+
+        >>> model.bn1 = KeepFloatModule(model.bn1, torch.float16)   # or apply_half(model)
+        >>> print(model.bn1)   # KeepFloat[BatchNorm2d](64, eps=1e-05, ...)
+    """
+
+    label = "KeepFloat"
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(module)
+        self._sw_dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_floats((args, kwargs), _cast_to(_float_dtype(self.wrapped)))
+        return _map_floats(self.wrapped(*args, **kwargs), _cast_to(self._sw_dtype))
+
+
+class _CastInputs:
+    """Root forward pre-hook of a half model: floating inputs to ``dtype``; token ids untouched."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _map_floats((args, kwargs), _cast_to(self.dtype))
+
+
+def _set_dtype(t: torch.Tensor, dtype: torch.dtype) -> None:
+    # .data keeps the same Parameter/buffer object, so an optimizer built before still holds it.
+    t.data = t.data.to(dtype)
+    if t.grad is not None:
+        t.grad = t.grad.to(dtype)
+
+
+@dataclasses.dataclass
+class Recast:
+    """Undo entry: the dtypes parameters and buffers had before ``half``, by name."""
+
+    parameters: dict[str, torch.dtype]
+    buffers: dict[str, torch.dtype]
+
+    def undo(self, model: nn.Module) -> None:
+        for name, dtype in self.parameters.items():
+            _set_dtype(model.get_parameter(name), dtype)
+        for name, dtype in self.buffers.items():
+            _set_dtype(model.get_buffer(name), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Half(Step):
+    """Step: cast floating parameters and buffers to ``dtype`` in place, except inside the modules
+    ``keep`` selects (None: :func:`is_norm`; ``()``: none), which stay in their dtype behind a
+    :class:`KeepFloatModule`. Floating inputs to the model are cast to ``dtype``; integer inputs
+    (token ids) are left alone; outputs come out in ``dtype``.
+
+    The Parameter objects stay the same (their ``.data`` is cast), so an optimizer built before
+    still holds them; build it after, though, if it already has state. ``revert`` restores the
+    original dtypes, but not the bits lost: values come back rounded through ``dtype``.
+    Do not use ``torch.amp.GradScaler`` with float16 here: it refuses float16 gradients
+    (``needs_grad_scaler`` is False). Applying it twice changes nothing the second time.
+
+    Example::
+
+        >>> sw.apply(model, sw.Plan([sw.half(torch.bfloat16)]))
+        >>> model.conv1.weight.dtype, model.bn1.weight.dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    name = "half"
+    lossy = True
+    needs_grad_scaler = False
+
+    dtype: torch.dtype
+    keep: Pattern | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype(self, self.dtype)
+        if isinstance(self.keep, list):
+            object.__setattr__(self, "keep", tuple(self.keep))
+
+    def conflict(self, other: Step) -> str | None:
+        if isinstance(other, Half) and other != self:
+            return "a model is cast to a half dtype once; keep one half step"
+        return _other_dtype(self.dtype, other)
+
+    def _kept(self, model: nn.Module) -> list[str]:
+        pattern = is_norm if self.keep is None else self.keep
+        return select(model, pattern, outermost=True, allow_empty=not self.keep)
+
+    def check(self, model: nn.Module) -> None:
+        _check_model(self, model, self.dtype, autocast=False)
+        self._kept(model)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self.check(model)
+        if any(isinstance(e, Recast) for e in _undo_entries(model)):
+            return model  # already cast (to this dtype: check refused any other)
+        kept = self._kept(model)
+        stay = {
+            id(t) for name in kept
+            for t in itertools.chain(model.get_submodule(name).parameters(), model.get_submodule(name).buffers())
+        }
+        before = Recast({}, {})
+        for named, dtypes in ((model.named_parameters(), before.parameters), (model.named_buffers(), before.buffers)):
+            for name, t in named:
+                if t.is_floating_point() and id(t) not in stay and t.dtype != self.dtype:
+                    dtypes[name] = t.dtype
+                    _set_dtype(t, self.dtype)
+        undo: list[Any] = [before]
+        undo += _rewrite.replace(model, kept, lambda n, m: KeepFloatModule(m, self.dtype))
+        undo.append(_hook_root(model, "Half", _CastInputs(self.dtype)))
+        _rewrite.record(model, _rewrite.Record(str(self), tuple(kept), (), undo))
+        return model
+
+
+def apply_half(model: nn.Module, dtype: torch.dtype = torch.float16, *, keep: Pattern | None = None) -> nn.Module:
+    """Cast ``model`` to ``dtype`` in place, normalisation layers (or ``keep``) excepted; return it.
+    See :class:`Half`; ``shrinkwrap.revert(model)`` restores the dtypes (values stay rounded).
+
+    Example::
+
+        >>> apply_half(model, torch.bfloat16)
+        >>> model(torch.randn(8, 3, 32, 32)).dtype   # float32 input cast on the way in
+        torch.bfloat16
+    """
+    return Half(dtype, keep).apply(model)
