@@ -1,10 +1,11 @@
 """Benchmark for issue 3: activation transforms on torchvision efficientnet_b0 (needs a CUDA GPU).
 
 One training step = zero_grad(set_to_none) + forward + cross-entropy + backward + Adam step, fp32,
-random data at batch 128. Each configuration runs in a fresh subprocess, so allocator caches and
-cuDNN workspaces of one row cannot leak into the next. Per configuration: 3 warm-up steps; then
-gc, empty_cache, reset_peak_memory_stats and synchronize; static = memory_allocated before the
-measured step, peak = max_memory_allocated over it; step time = median of 10 more steps.
+random data at batch 128, measured by ``shrinkwrap.measure`` (3 warm-up steps; then gc,
+empty_cache, reset_peak_memory_stats, synchronize; static = memory_allocated before the measured
+step, peak = max_memory_allocated over it; step time = median of 10 steps). Each configuration
+runs in a fresh subprocess, so allocator caches and cuDNN workspaces of one row cannot leak into
+the next.
 
 Configurations:
     native_silu           torchvision as shipped (nn.SiLU(inplace=True))
@@ -25,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
-import statistics
 import subprocess
 import sys
-import time
 
 CONFIGS = ["native_silu", "naive_swish", "naive+swish", "bn_act", "naive+swish+bn_act"]
 MIB = 2**20
@@ -62,47 +60,27 @@ def build(config: str):
 
 
 def measure_one(config: str, batch: int, steps: int) -> dict:
+    import functools
+
     import torch
     import torch.nn.functional as F
 
-    device = torch.device("cuda")
+    import shrinkwrap as sw
+
     torch.manual_seed(0)
-    model = build(config).to(device)
-    opt = torch.optim.Adam(model.parameters())
-    x = torch.randn(batch, 3, 224, 224, device=device)
-    target = torch.randint(0, 1000, (batch,), device=device)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), target).backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    static = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1000)
+    model = build(config).cuda()
+    x = torch.randn(batch, 3, 224, 224)
+    target = torch.randint(0, 1000, (batch,), device="cuda")
+    prof = sw.measure(model, x, loss_fn=lambda out: F.cross_entropy(out, target),
+                      optimizer=functools.partial(torch.optim.Adam), steps=steps, warmup=3, device="cuda")
     return {
         "config": config,
-        "peak_mib": peak / MIB,
-        "static_mib": static / MIB,
-        "activation_mib": (peak - static) / MIB,
-        "step_ms": statistics.median(times),
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
+        "peak_mib": prof.peak / MIB,
+        "static_mib": prof.static / MIB,
+        "activation_mib": (prof.peak - prof.static) / MIB,
+        "step_ms": prof.step_ms,
+        "device": prof.device_name,
+        "torch": prof.torch_version,
     }
 
 

@@ -156,14 +156,14 @@ class _AutocastRoot:
 
     # torch.compile cannot trace a region opened in one hook and closed in another: these run
     # eagerly (a graph break), and the compiled forward between them sees autocast as on.
-    @torch.compiler.disable
+    # _compile_eagerly() marks them so when the first root region is made: decorating them here
+    # would import torch._dynamo (seconds) with every `import shrinkwrap`.
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         region = _region(self.dtype, module, args, kwargs)
         if region is not None:
             region.__enter__()
         self._open().append(region)
 
-    @torch.compiler.disable
     def exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._open():  # a pre-hook before ours raised: we opened nothing
             return None
@@ -172,6 +172,13 @@ class _AutocastRoot:
             return None
         region.__exit__(None, None, None)
         return None if output is None else _outputs(output, self.dtype, self.keep_output_dtype)
+
+
+def _compile_eagerly() -> None:
+    if not getattr(_AutocastRoot, "_eager", False):
+        _AutocastRoot.enter = torch.compiler.disable(_AutocastRoot.enter)  # type: ignore[method-assign]
+        _AutocastRoot.exit = torch.compiler.disable(_AutocastRoot.exit)  # type: ignore[method-assign]
+        _AutocastRoot._eager = True
 
 
 class _Label:
@@ -353,6 +360,7 @@ class Autocast(Step):
         ]
         undo: list[Any] = _rewrite.replace(model, inner, lambda n, m: m.wrapped)
         if wrap == [""]:
+            _compile_eagerly()
             hooks = _AutocastRoot(self.dtype, self.keep_output_dtype)
             undo.append(_hook_root(model, "Autocast", hooks.enter, hooks.exit))
         else:

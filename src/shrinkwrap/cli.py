@@ -1,0 +1,257 @@
+"""The ``shrinkwrap`` command: ``shrinkwrap demo`` and ``shrinkwrap profile MODEL ...``.
+
+``shrinkwrap demo`` measures a plan on the built-in EfficientNet-style model (no downloads; seconds
+on a laptop CPU, CUDA when present). ``shrinkwrap profile`` measures a plan on a model named as
+``torchvision:NAME``, ``timm:NAME``, ``transformers:CONFIGCLASS`` (random init from the config) or
+``package.module:factory``. Bad input gets one line on stderr and exit status 2.
+
+Example::
+
+    shrinkwrap demo
+    shrinkwrap profile torchvision:resnet18 --batch 128 --plan "checkpoint('layer[1-4]'), autocast(torch.bfloat16)" \\
+        --json report.json --plot memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import functools
+import importlib
+import importlib.util
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .plan import Plan, _STEPS, _load_steps
+
+_PIP = {"torchvision": "torchvision", "timm": "timm", "transformers": "transformers", "matplotlib": "'shrinkwrap[plot]'"}
+
+
+class CliError(Exception):
+    """Bad command-line input; the message is the one line the user sees."""
+
+
+def _need(package: str) -> Any:
+    if importlib.util.find_spec(package) is None:
+        raise CliError(f"{package} is not installed; install it with: pip install {_PIP.get(package, package)}")
+    return importlib.import_module(package)
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> CliError:
+    close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+    return CliError(f"unknown {kind} {name!r}" + (f"; close names: {', '.join(close)}" if close else ""))
+
+
+# -- model families: module-level functions, so a row can be sent to a subprocess -----------
+
+
+def _torchvision(name: str) -> nn.Module:
+    return importlib.import_module("torchvision").models.get_model(name, weights=None)
+
+
+def _timm(name: str) -> nn.Module:
+    return importlib.import_module("timm").create_model(name, pretrained=False)
+
+
+def _hf_config(name: str) -> Any:
+    transformers = importlib.import_module("transformers")
+    return getattr(transformers, name)()
+
+
+def _hf_model_class(config: Any) -> Any:
+    """GPT-style decoders get their LM head; encoders (BERT) a sequence-classification head."""
+    transformers = importlib.import_module("transformers")
+    auto = transformers.models.auto.modeling_auto
+    kind = config.model_type
+    if kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    if kind in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModel
+
+
+def _transformers(name: str) -> nn.Module:
+    config = _hf_config(name)
+    return _hf_model_class(config).from_config(config)
+
+
+def load_model(spec: str, input_shape: tuple[int, ...] | None, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
+    """A picklable factory for ``spec`` and a random batch for it (on the CPU, seeded)."""
+    family, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise CliError(f"cannot read model {spec!r}; write torchvision:NAME, timm:NAME, "
+                       "transformers:CONFIGCLASS or package.module:factory")
+    gen = torch.Generator().manual_seed(0)
+    images = lambda shape: torch.randn(batch_size, *(input_shape or shape), generator=gen)  # noqa: E731
+    if family == "torchvision":
+        tv = _need("torchvision")
+        if name not in tv.models.list_models():
+            raise _unknown("torchvision model", name, tv.models.list_models())
+        return functools.partial(_torchvision, name), images((3, 224, 224))
+    if family == "timm":
+        timm = _need("timm")
+        if not timm.is_model(name):
+            raise _unknown("timm model", name, timm.list_models())
+        cfg = getattr(timm.models, "get_pretrained_cfg", lambda n: None)(name)  # older timm: 3x224x224
+        return functools.partial(_timm, name), images(tuple(getattr(cfg, "input_size", None) or (3, 224, 224)))
+    if family == "transformers":
+        transformers = _need("transformers")
+        cls = getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+            known = [n for n in dir(transformers) if n.endswith("Config")]
+            raise _unknown("transformers config class", name, known)
+        config = _hf_config(name)
+        longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
+        length = input_shape[0] if input_shape else min(longest, 512)
+        ids = torch.randint(0, config.vocab_size, (batch_size, length), generator=gen)
+        seq_cls = _hf_model_class(config) is transformers.AutoModelForSequenceClassification
+        labels = torch.randint(0, config.num_labels, (batch_size,), generator=gen) if seq_cls else ids
+        return functools.partial(_transformers, name), {"input_ids": ids, "labels": labels}
+    try:
+        module = importlib.import_module(family)
+    except ImportError as exc:
+        raise CliError(f"cannot import {family!r} for model {spec!r}: {exc}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise CliError(f"{family} has no callable {name!r} to build the model")
+    shape = input_shape or getattr(factory, "input_shape", None)
+    if shape is None:
+        raise CliError(f"give one sample's shape for {spec}, e.g. --input 3,224,224")
+    return factory, images(tuple(shape))
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+class _Bar:
+    """A progress line on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.on = sys.stderr.isatty()
+
+    def __call__(self, i: int, n: int, label: str) -> None:
+        if not self.on:
+            return
+        filled = int(20 * i / max(n, 1))
+        text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
+        sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
+        sys.stderr.flush()
+
+
+def _device(text: str | None) -> str:
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {text} asked, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                       "use --device cpu, or install a CUDA build of torch")
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise CliError(f"unknown device {text!r}; use cpu or cuda") from None
+    return text
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes such as 3,224,224, got {text!r}") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return shape
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str) -> int:
+    device = _device(args.device)
+    if args.snapshot and not device.startswith("cuda"):
+        raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
+    if args.plot:
+        _need("matplotlib")  # before minutes of measuring, not after
+    report = plan.measure(factory, batch, steps=args.steps, device=device, snapshot=args.snapshot,
+                          progress=_Bar(), name=name)
+    if args.json == "-":
+        print(report.to_json())
+    else:
+        print(report.to_markdown() if args.markdown else report.to_text())
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(report.to_json() + "\n")
+    if args.plot:
+        report.plot(args.plot)
+    return 0
+
+
+def demo_plan() -> Plan:
+    """The demo's plan (swish, bn_act, checkpoint each block, bfloat16 autocast), keeping the steps
+    this install has."""
+    from .models import DEMO_PLAN
+
+    _load_steps()
+    calls = ast.parse(f"[{DEMO_PLAN}]", mode="eval").body.elts  # type: ignore[attr-defined]
+    return Plan.parse(", ".join(ast.unparse(c) for c in calls if c.func.id in _STEPS))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .models import tiny_efficientnet
+
+    size = args.batch or (128 if _device(args.device).startswith("cuda") else 8)  # seconds either way
+    batch = torch.randn(size, *tiny_efficientnet.input_shape, generator=torch.Generator().manual_seed(0))
+    return _run(args, tiny_efficientnet, batch, demo_plan(), "shrinkwrap.models:tiny_efficientnet (naive Swish)")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    plan = Plan.parse(args.plan)
+    factory, batch = load_model(args.model, args.input, args.batch)
+    return _run(args, factory, batch, plan, args.model)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shrinkwrap", description="Measure what each step of a memory plan saves and costs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def outputs(p: argparse.ArgumentParser, steps: int) -> None:
+        p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+        p.add_argument("--steps", type=_positive, default=steps, help=f"timed steps per row (default {steps})")
+        p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': print it instead of the table)")
+        p.add_argument("--markdown", action="store_true", help="print a markdown table instead of the aligned one")
+        p.add_argument("--plot", metavar="FILE.png", help="write a PNG of memory over one step (needs matplotlib)")
+        p.add_argument("--snapshot", metavar="FILE", help="CUDA: write a memory snapshot per row (pytorch.org/memory_viz)")
+
+    demo = sub.add_parser("demo", help="measure a plan on the built-in EfficientNet-style model (no downloads)")
+    demo.add_argument("--batch", type=_positive, help="batch size (default 128 on CUDA, 8 on a CPU)")
+    outputs(demo, steps=3)
+    demo.set_defaults(func=_demo)
+
+    prof = sub.add_parser("profile", help="measure a plan on a torchvision, timm, transformers or your own model")
+    prof.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
+    prof.add_argument("--batch", type=_positive, required=True, help="batch size")
+    prof.add_argument("--plan", required=True, help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\"")
+    prof.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
+    outputs(prof, steps=5)
+    prof.set_defaults(func=_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shrinkwrap`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, ValueError) as exc:  # PlanError and SelectionError are ValueErrors
+        message = " ".join(str(exc).split()).removeprefix("shrinkwrap: ")
+        print(f"shrinkwrap: error: {message}", file=sys.stderr)
+        return 2

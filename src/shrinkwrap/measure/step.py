@@ -1,0 +1,431 @@
+"""The one measuring harness: an instrumented training step, on CUDA or without it.
+
+A step is ``zero_grad(set_to_none=True)``, forward, loss, backward, optimizer step. :func:`measure`
+runs, on the model in place (restored afterwards):
+
+1. the first step, recording allocated memory after each phase and the peak during it (CUDA);
+2. warm-up steps;
+3. gc, ``empty_cache``, ``reset_peak_memory_stats``, then one steady-state step recorded the same
+   way: its peak is the number a report shows, broken down into parameters, gradients, optimizer
+   state, the batch and activations/other;
+4. ``steps`` timed steps (synchronised on CUDA); the median is the step time;
+5. one step with the per-module log and the saved-for-backward count (and, on request, a CUDA
+   memory-history snapshot): these hooks cost time, so no timed step carries them.
+
+Without CUDA there is no allocator to read: the profile holds the bytes saved for backward,
+parameter/gradient/optimizer-state bytes and step time, and its CUDA fields are ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .._wrapper import TransparentWrapper
+from .modules import Event, ModuleLog
+from .saved import SavedTensors
+
+MiB = 2**20
+
+LossFn = Callable[[Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a CUDA step: ``allocated`` bytes at its end, ``peak`` bytes during it."""
+
+    name: str
+    allocated: int
+    peak: int
+
+
+@dataclass
+class Profile:
+    """What one configuration measured. Bytes throughout; ``None`` where the device cannot say.
+
+    CUDA only (``None`` on CPU): ``peak`` (steady-state step, ``max_memory_allocated``),
+    ``first_peak`` (the first step), ``static`` (allocated before the steady step), and the
+    per-phase ``first_step``/``steady_step`` lists. Any device: ``saved`` (bytes saved for
+    backward, unique storages), ``parameters`` (parameters and buffers), ``gradients``,
+    ``optimizer_state``, ``batch``, ``step_ms`` (median). ``timeline`` is the per-module log of
+    one step, read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
+    """
+
+    device: str
+    device_name: str
+    torch_version: str
+    saved: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    batch: int
+    step_ms: float
+    step_times_ms: list[float]
+    peak: int | None = None
+    first_peak: int | None = None
+    static: int | None = None
+    first_step: list[Phase] = field(default_factory=list)
+    steady_step: list[Phase] = field(default_factory=list)
+    timeline: list[Event] = field(default_factory=list)
+    timeline_probe: str = "saved_for_backward"
+    top_modules: list[tuple[str, int]] = field(default_factory=list)
+    snapshot: str | None = None
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase of the steady step in which the peak was reached."""
+        if not self.steady_step:
+            return None
+        return max(self.steady_step, key=lambda p: p.peak).name
+
+    def breakdown(self) -> dict[str, int]:
+        """The steady-state peak split into parameters, gradients, optimizer state, batch and
+        activations/other (the rest). Gradients count only if the peak came in backward or the
+        optimizer step: zero_grad(set_to_none) frees them before forward. Empty on CPU."""
+        if self.peak is None:
+            return {}
+        grads = self.gradients if self.peak_phase in ("backward", "step") else 0
+        parts = {
+            "parameters": self.parameters,
+            "gradients": grads,
+            "optimizer_state": self.optimizer_state,
+            "batch": self.batch,
+        }
+        parts["activations_other"] = self.peak - sum(parts.values())
+        return parts
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / MiB:.1f} MiB"  # noqa: E731
+        head = f"shrinkwrap profile on {self.device} ({self.device_name}), torch {self.torch_version}"
+        lines = [head]
+        if self.peak is not None:
+            lines.append(f"  peak (steady step, max_memory_allocated): {mib(self.peak)}; "
+                         f"first step {mib(self.first_peak or 0)}; static {mib(self.static or 0)}")
+            lines.append("  at the peak: " + ", ".join(f"{k} {mib(v)}" for k, v in self.breakdown().items()))
+        else:
+            lines.append("  no CUDA: no GPU peak measured")
+        lines.append(f"  saved for backward: {mib(self.saved)}; parameters+buffers {mib(self.parameters)}, "
+                     f"gradients {mib(self.gradients)}, optimizer state {mib(self.optimizer_state)}, "
+                     f"batch {mib(self.batch)}")
+        lines.append(f"  step time: {self.step_ms:.1f} ms (median of {len(self.step_times_ms)})")
+        return "\n".join(lines)
+
+
+# -- batch, loss, optimizer ----------------------------------------------------------------
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        items = [_to(b, device) for b in batch]
+        return items if isinstance(batch, list) else tuple(items)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Total size of the unique storages behind ``tensors`` (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call ``model`` on a batch: a tensor, a tuple/list of positional inputs, or a dict of kwargs."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """A scalar from common outputs: a tensor's mean; ``.loss`` (Hugging Face with labels);
+    ``.logits``' mean; the first element of a tuple or list."""
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits.float().mean()
+    if isinstance(out, (list, tuple)) and out:
+        return default_loss(out[0])
+    raise TypeError(
+        f"shrinkwrap: cannot make a loss from a model output of type {type(out).__name__}; "
+        "pass loss_fn=lambda out: ... returning a scalar tensor"
+    )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA if present, else CPU. Asking for CUDA without it is an error."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"shrinkwrap: device {str(device)!r} asked, but CUDA is not available to torch "
+                f"{torch.__version__}; use device='cpu' or install a CUDA build of torch"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or device.type
+
+
+def needs_grad_scaler(model: nn.Module) -> bool:
+    """Whether a step applied to ``model`` asks for a GradScaler (float16 autocast sets
+    ``needs_grad_scaler``); read back from the model's records."""
+    from .._rewrite import records
+    from ..plan import Plan, PlanError
+
+    for rec in records(model):
+        try:
+            steps = Plan.parse(rec.step).steps
+        except PlanError:  # a step with a predicate pattern has no readable text; it is not precision
+            continue
+        if any(getattr(s, "needs_grad_scaler", False) for s in steps):
+            return True
+    return False
+
+
+# -- the harness -----------------------------------------------------------------------------
+
+
+class _Step:
+    """One training step, with a callback at the end of each phase."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn, opt: torch.optim.Optimizer,
+                 scaler: Any) -> None:
+        self.model, self.batch, self.loss_fn, self.opt, self.scaler = model, batch, loss_fn, opt, scaler
+
+    def __call__(self, mark: Callable[[str], None] = lambda phase: None) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        mark("zero_grad")
+        out = call_model(self.model, self.batch)
+        mark("forward")
+        loss = self.loss_fn(out)
+        mark("loss")
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        mark("backward")
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        mark("step")
+
+
+def _clean(device: torch.device) -> None:
+    """Free what earlier work left behind before reading the allocator. Without CUDA no reading
+    depends on it, and a full gc in a large process costs more than the steps it precedes."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _phases(step: _Step, device: torch.device) -> list[Phase]:
+    """Run ``step``, reading allocated and peak at each phase end (peak reset per phase)."""
+    phases: list[Phase] = []
+
+    def mark(name: str) -> None:
+        phases.append(Phase(name, torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    step(mark)
+    return phases
+
+
+def _timed(step: _Step, device: torch.device, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+@contextlib.contextmanager
+def _memory_history(path: str | None) -> Iterator[None]:
+    """Record the CUDA allocator's history and write a snapshot for pytorch.org/memory_viz."""
+    if not path:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def restored(model: nn.Module) -> Iterator[nn.Module]:
+    """Give ``model`` back afterwards as it was: the same parameter and buffer objects with their
+    values, gradients, devices and train/eval flags. Copies go to CPU memory, so measuring in
+    place adds nothing to the device's count (a deepcopy on the GPU would)."""
+    flags = [(m, m.training) for m in _all_modules(model)]
+    slots = []
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for key, t in table.items():
+                if t is not None:
+                    grad = t.grad.detach().to("cpu", copy=True) if t.grad is not None else None
+                    grad_device = t.grad.device if t.grad is not None else None
+                    slots.append((table, key, t, t.device, t.detach().to("cpu", copy=True), grad, grad_device))
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for table, key, t, dev, value, grad, grad_device in slots:
+                table[key] = t  # a forward may have swapped a buffer for a new tensor
+                t.data = value.to(dev)
+                t.grad = grad.to(grad_device) if grad is not None else None
+        for m, mode in flags:
+            m.training = mode
+
+
+def _all_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """Every module, and the originals inside shrinkwrap's wrappers (they keep their own flags)."""
+    for m in model.modules():
+        yield m
+        while isinstance(m, TransparentWrapper):
+            m = m.wrapped
+            yield m
+
+
+def measure(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    *,
+    steps: int = 5,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    grad_scaler: bool | None = None,
+    snapshot: str | None = None,
+) -> Profile:
+    """Measure one training step of ``model`` on ``batch``; the model is left as it was.
+
+    Args:
+        model: the model as it is (transformed or not). It is measured in place and restored:
+            same parameter and buffer objects, values, gradients, device and train/eval flags.
+        batch: a tensor, a tuple/list of positional inputs, or a dict of keyword inputs
+            (Hugging Face). Moved to ``device``.
+        loss_fn: ``output -> scalar``; by default a tensor's mean, ``output.loss``, or
+            ``output.logits``' mean.
+        optimizer: ``params -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``;
+            AdamW by default. A fresh one is made; its state is dropped afterwards.
+        steps: timed steady-state steps (the median is reported); ``warmup`` steps come first.
+        device: ``"cuda"``, ``"cpu"``...; CUDA when present by default.
+        grad_scaler: use ``torch.amp.GradScaler``; by default when a float16 autocast step was
+            applied to the model.
+        snapshot: on CUDA, write a ``torch.cuda.memory`` snapshot of one step to this path
+            (open it at https://pytorch.org/memory_viz).
+
+    Example::
+
+        >>> prof = shrinkwrap.measure(model, torch.randn(32, 3, 224, 224))
+        >>> prof.peak / 2**20, prof.breakdown()      # CUDA
+        >>> prof.saved / 2**20, prof.step_ms           # any device
+    """
+    with restored(model):
+        return _measure(model, batch, loss_fn, optimizer, steps, warmup, device, grad_scaler, snapshot)
+
+
+def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: OptimizerFactory | None,
+             steps: int, warmup: int, device: str | torch.device | None, grad_scaler: bool | None,
+             snapshot: str | None) -> Profile:
+    device = resolve_device(device)
+    if snapshot and device.type != "cuda":
+        raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
+    if steps < 1 or warmup < 1:
+        raise ValueError(f"shrinkwrap: steps and warmup must be at least 1, got steps={steps}, warmup={warmup}")
+    cuda = device.type == "cuda"
+    model.to(device).train()
+    batch = _to(batch, device)
+    opt = (optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
+    if grad_scaler is None:
+        grad_scaler = needs_grad_scaler(model)
+    scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
+    step = _Step(model, batch, loss_fn or default_loss, opt, scaler)
+
+    _clean(device)
+    first: list[Phase] = []
+    if cuda:
+        first = _phases(step, device)
+    else:
+        step()
+    for _ in range(warmup - 1):
+        step()
+    _clean(device)
+    static = torch.cuda.memory_allocated(device) if cuda else None
+    steady = _phases(step, device) if cuda else []
+    times = _timed(step, device, steps)
+
+    saved = SavedTensors()
+    probe = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: saved.live)
+    log = ModuleLog(model, probe)
+    with saved, log, _memory_history(snapshot):
+        step(log.mark)
+
+    return Profile(
+        device=str(device),
+        device_name=device_name(device),
+        torch_version=torch.__version__,
+        saved=saved.bytes,
+        parameters=_bytes([*model.parameters(), *model.buffers()]),
+        gradients=_bytes(p.grad for p in model.parameters()),
+        optimizer_state=_bytes(t for s in opt.state.values() for t in _tensors(s)),
+        batch=_bytes(_tensors(batch)),
+        step_ms=statistics.median(times),
+        step_times_ms=times,
+        peak=max(p.peak for p in steady) if cuda else None,
+        first_peak=max(p.peak for p in first) if cuda else None,
+        static=static,
+        first_step=first,
+        steady_step=steady,
+        timeline=log.events,
+        timeline_probe="allocated" if cuda else "saved_for_backward",
+        top_modules=log.contributors()[:10],
+        snapshot=snapshot,
+    )

@@ -1,0 +1,311 @@
+"""Reports: a plan's baseline and steps, as an aligned table, markdown, JSON and a PNG plot.
+
+Units are MiB (2**20 bytes); every report names its device and torch version. The headline
+number is ``metric``: on CUDA ``peak_allocated`` (``max_memory_allocated`` over one steady-state
+step), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
+which is activation memory, not a GPU peak.
+
+JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be added)::
+
+    schema, device, device_name, torch_version, model, batch, isolation, notes[],
+    metric ("peak_allocated" | "saved_for_backward"), metric_label,
+    rows[]:
+      step ("baseline" or the step's text), plan (the cumulative plan's text),
+      status ("ok" | "oom"), error (null or the message),
+      value_mib (the metric), delta_prev_mib, delta_base_mib, ratio_base,
+      step_ms, step_ratio (against the baseline),
+      matched[] (module names the step acted on), skipped[] ({module, reason}),
+      peak_mib, first_peak_mib, static_mib (CUDA; null without),
+      saved_mib, parameters_mib (parameters and buffers), gradients_mib, optimizer_state_mib, batch_mib,
+      breakdown {parameters_mib, gradients_mib, optimizer_state_mib, batch_mib, activations_other_mib}
+        (the steady-state peak; {} without CUDA),
+      phases {first[], steady[]} of {phase, allocated_mib, peak_mib} (CUDA; [] without),
+      top_modules[] ({module, mib}: what each module's forward added and kept, largest first),
+      timeline_probe ("allocated" | "saved_for_backward"), timeline[] ({module, event, mib}),
+      snapshot (path of the CUDA memory snapshot, or null)
+
+A field that a row cannot have (an OOM row has no peak) is null, never missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .measure.step import Profile
+
+MiB = 2**20
+SCHEMA = "shrinkwrap.report/1"
+
+_METRIC_LABELS = {
+    "peak_allocated": "peak MiB: torch.cuda.max_memory_allocated over one steady-state step",
+    "saved_for_backward": "saved MiB: bytes saved for backward (unique storages); no GPU here, so no GPU peak",
+}
+
+
+def _mib(b: int | float | None) -> float | None:
+    return None if b is None else round(b / MiB, 3)
+
+
+@dataclass
+class Row:
+    """One configuration: the baseline, or the plan up to and including ``step``."""
+
+    step: str
+    plan: str
+    profile: "Profile | None"
+    matched: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    status: str = "ok"
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    """What :meth:`shrinkwrap.Plan.measure` measured: the baseline, then one row per step.
+
+    ``str(report)`` is an aligned table; :meth:`to_markdown`, :meth:`to_json` and :meth:`plot`
+    give the other forms.
+
+    Example::
+
+        >>> report = plan.measure(make_model, torch.randn(32, 3, 224, 224))
+        >>> print(report)
+        >>> report.save("report.json"); report.plot("memory.png")
+    """
+
+    rows: list[Row]
+    device: str
+    device_name: str
+    torch_version: str
+    model: str = ""
+    batch: str = ""
+    isolation: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def metric(self) -> str:
+        return "peak_allocated" if self.device.startswith("cuda") else "saved_for_backward"
+
+    def value(self, row: Row) -> int | None:
+        """The row's headline number in bytes (``None`` if the row has none, e.g. out of memory)."""
+        if row.profile is None:
+            return None
+        return row.profile.peak if self.metric == "peak_allocated" else row.profile.saved
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        base = self.rows[0] if self.rows else None
+        base_v = self.value(base) if base else None
+        base_t = base.profile.step_ms if base and base.profile else None
+        out, prev_v = [], None
+        for i, row in enumerate(self.rows):
+            v = self.value(row)
+            t = row.profile.step_ms if row.profile else None
+            out.append({
+                "value_mib": _mib(v),
+                "delta_prev_mib": _mib(v - prev_v) if i and v is not None and prev_v is not None else None,
+                "delta_base_mib": _mib(v - base_v) if v is not None and base_v is not None else None,
+                "ratio_base": round(v / base_v, 4) if v is not None and base_v else None,
+                "step_ms": None if t is None else round(t, 3),
+                "step_ratio": round(t / base_t, 4) if t is not None and base_t else None,
+            })
+            prev_v = v
+        return out
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data, in the documented ``shrinkwrap.report/1`` schema."""
+        rows = []
+        for row, d in zip(self.rows, self._deltas()):
+            rows.append({
+                "step": row.step,
+                "plan": row.plan,
+                "status": row.status,
+                "error": row.error,
+                **d,
+                "matched": list(row.matched),
+                "skipped": [{"module": m, "reason": r} for m, r in row.skipped],
+                **_profile_dict(row.profile),
+            })
+        return {
+            "schema": SCHEMA,
+            "device": self.device,
+            "device_name": self.device_name,
+            "torch_version": self.torch_version,
+            "model": self.model,
+            "batch": self.batch,
+            "isolation": self.isolation,
+            "notes": list(self.notes),
+            "metric": self.metric,
+            "metric_label": _METRIC_LABELS[self.metric],
+            "rows": rows,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str) -> None:
+        """Write the report by the path's suffix: ``.json``, ``.md``, ``.png``, or a text table."""
+        if path.endswith(".png"):
+            return self.plot(path)
+        text = {".json": self.to_json, ".md": self.to_markdown}.get(path[path.rfind("."):], self.to_text)()
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def _table(self) -> tuple[list[str], list[list[str]]]:
+        cuda = self.metric == "peak_allocated"
+        headers = ["step", "peak MiB" if cuda else "saved MiB", "Δ prev", "Δ base", "x base"]
+        headers += ["1st step MiB", "static MiB", "peak-static MiB"] if cuda else ["params+grads+opt MiB"]
+        headers += ["step ms", "time x base", "matched"]
+        body = []
+        for row, d in zip(self.rows, self._deltas()):
+            p = row.profile
+            cells = [row.step, _num(d["value_mib"]) if p else row.status.upper(),
+                     _num(d["delta_prev_mib"], sign=True), _num(d["delta_base_mib"], sign=True),
+                     _num(d["ratio_base"], ratio=True)]
+            if cuda:
+                cells += [_num(_mib(p.first_peak)), _num(_mib(p.static)),
+                          _num(_mib(p.peak - p.static))] if p else ["-"] * 3
+            else:
+                cells += [_num(_mib(p.parameters + p.gradients + p.optimizer_state))] if p else ["-"]
+            cells += [_num(d["step_ms"]), _num(d["step_ratio"], ratio=True), _matched(row)]
+            body.append(cells)
+        return headers, body
+
+    def _header_lines(self) -> list[str]:
+        lines = [f"shrinkwrap report: {self.model or 'model'}, batch {self.batch or '?'}",
+                 f"device {self.device} ({self.device_name}), torch {self.torch_version}"
+                 + (f", rows measured {self.isolation}" if self.isolation else ""),
+                 _METRIC_LABELS[self.metric]]
+        return lines
+
+    def _footer_lines(self) -> list[str]:
+        lines = []
+        for row in self.rows:
+            if row.error:
+                lines.append(f"{row.step}: {row.status}: {row.error}")
+        ok = [r for r in self.rows if r.profile is not None]
+        for row in ok[:1] + ok[-1:] if len(ok) > 1 else ok:
+            top = ", ".join(f"{m or '(root)'} {b / MiB:.2f}" for m, b in row.profile.top_modules[:5])
+            if top:
+                lines.append(f"largest contributors, {row.step} (MiB kept by each forward): {top}")
+        lines += [f"note: {n}" for n in self.notes]
+        return lines
+
+    def to_text(self) -> str:
+        """An aligned table for a terminal."""
+        headers, body = self._table()
+        widths = [max(len(r[i]) for r in [headers, *body]) for i in range(len(headers))]
+        # Text columns read left-aligned, numbers right-aligned.
+        fmt = lambda cells: "  ".join(  # noqa: E731
+            c.ljust(w) if i in (0, len(cells) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+        lines = self._header_lines() + ["", fmt(headers), fmt(["-" * w for w in widths])]
+        lines += [fmt(r) for r in body]
+        footer = self._footer_lines()
+        return "\n".join(lines + ([""] + footer if footer else []))
+
+    def to_markdown(self) -> str:
+        """A markdown table to paste in an issue."""
+        headers, body = self._table()
+        esc = lambda c: c.replace("|", "\\|")  # noqa: E731
+        lines = [" · ".join(self._header_lines()), "",
+                 "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        # The step's text goes in a code span, where a regex's backslashes are not markdown escapes.
+        lines += ["| " + " | ".join([f"`{esc(r[0])}`", *(esc(c) for c in r[1:])]) + " |" for r in body]
+        footer = self._footer_lines()
+        return "\n".join(lines + ([""] + [f"- {f}" for f in footer] if footer else []))
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # -- plot --------------------------------------------------------------------------------
+
+    def plot(self, path: str) -> None:
+        """Write a PNG of memory over one step, one line per row (baseline against the plan).
+
+        Needs matplotlib: ``pip install 'shrinkwrap[plot]'``.
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError(
+                "shrinkwrap: plotting needs matplotlib; install it with: pip install 'shrinkwrap[plot]' "
+                "(or pip install matplotlib)"
+            ) from None
+        fig = Figure(figsize=(9, 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        probe = "allocated"
+        for row in self.rows:
+            p = row.profile
+            if p is None or not p.timeline:
+                continue
+            probe = p.timeline_probe
+            n = max(len(p.timeline) - 1, 1)
+            xs = [i / n for i in range(len(p.timeline))]
+            ax.plot(xs, [e.bytes / MiB for e in p.timeline], label=row.step, lw=2 if row is self.rows[0] else 1.2)
+            if row is self.rows[0]:
+                # The baseline's phase ends, so the eye can tell forward from backward.
+                for x, e in zip(xs, p.timeline):
+                    if not e.module and e.event in ("forward", "backward"):
+                        ax.axvline(x, color="grey", ls=":", lw=0.8)
+                        ax.text(x, ax.get_ylim()[1], f" end of {e.event} ", va="top", fontsize=8, color="grey",
+                                ha="right" if x > 0.9 else "left")
+        ax.set_xlabel("progress through one training step (module events)")
+        ax.set_ylabel("allocated MiB" if probe == "allocated" else "saved for backward, held MiB (no GPU)")
+        ax.set_title(f"{self.model or 'model'} · {self.device} ({self.device_name}) · torch {self.torch_version}",
+                     fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+
+
+def _profile_dict(p: "Profile | None") -> dict[str, Any]:
+    """The per-configuration fields of a row; the same keys, null-valued, for a row with no profile."""
+    return {
+        "peak_mib": _mib(p.peak) if p else None,
+        "first_peak_mib": _mib(p.first_peak) if p else None,
+        "static_mib": _mib(p.static) if p else None,
+        "saved_mib": _mib(p.saved) if p else None,
+        "parameters_mib": _mib(p.parameters) if p else None,
+        "gradients_mib": _mib(p.gradients) if p else None,
+        "optimizer_state_mib": _mib(p.optimizer_state) if p else None,
+        "batch_mib": _mib(p.batch) if p else None,
+        "breakdown": {f"{k}_mib": _mib(v) for k, v in p.breakdown().items()} if p else {},
+        "phases": {
+            when: [{"phase": ph.name, "allocated_mib": _mib(ph.allocated), "peak_mib": _mib(ph.peak)} for ph in phases]
+            for when, phases in (("first", p.first_step if p else []), ("steady", p.steady_step if p else []))
+        },
+        "top_modules": [{"module": m, "mib": _mib(b)} for m, b in (p.top_modules if p else [])],
+        "timeline_probe": p.timeline_probe if p else None,
+        "timeline": [{"module": e.module, "event": e.event, "mib": _mib(e.bytes)} for e in (p.timeline if p else [])],
+        "snapshot": p.snapshot if p else None,
+    }
+
+
+def _num(x: float | None, sign: bool = False, ratio: bool = False) -> str:
+    if x is None:
+        return "-"
+    if ratio:
+        return f"{x:.2f}"
+    digits = 1 if abs(x) >= 100 else 2
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def _matched(row: Row) -> str:
+    if row.step == "baseline":
+        return ""
+    names = [n or "(root)" for n in row.matched]
+    text = ", ".join(names[:3]) + (f", … ({len(names)} modules)" if len(names) > 3 else "")
+    if not names:
+        text = "(nothing new)"
+    if row.skipped:
+        text += f"; {len(row.skipped)} skipped"
+    return text

@@ -1,0 +1,117 @@
+"""The shrinkwrap command: demo, profile, and one clear line for bad input."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shrinkwrap.cli import main
+from test_measure import one_thread  # noqa: F401  (autouse fixture)
+
+FAST = ["--steps", "1", "--device", "cpu"]
+
+
+def small_model() -> nn.Module:
+    """A factory for `profile test_cli:small_model`."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Tanh()), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(32, 4))
+
+
+def one_error_line(capsys, argv, expected: str) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("shrinkwrap: error: ")
+    assert expected in err, err
+
+
+def test_demo_runs_and_prints_the_report(capsys, tmp_path):
+    assert main(["demo", "--batch", "2", *FAST, "--json", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # no progress bar when stderr is not a terminal
+    assert "baseline" in out and "checkpoint(" in out and torch.__version__ in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["rows"][0]["step"] == "baseline" and len(data["rows"]) >= 2
+    assert data["model"].startswith("shrinkwrap.models:tiny_efficientnet")
+
+
+def test_profile_a_package_module_factory(capsys):
+    argv = ["profile", f"{__name__}:small_model", "--batch", "2", "--input", "3,8,8",
+            "--plan", "checkpoint('3')", "--json", "-", *FAST]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in data["rows"]] == ["baseline", "checkpoint('3')"]
+    assert data["rows"][1]["matched"] == ["3"] and data["batch"] == "2x3x8x8 float32"
+
+
+def test_profile_reads_the_input_shape_a_factory_declares(capsys):
+    argv = ["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "checkpoint('head')", "--markdown", *FAST]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| `baseline` |" in out and "1x3x32x32" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["profile", "nocolon", "--batch", "1", "--plan", ""], "cannot read model 'nocolon'"),
+    (["profile", "shrinkwrap.models:nosuch", "--batch", "1", "--plan", ""], "no callable 'nosuch'"),
+    (["profile", "no_such_package_xyz:f", "--batch", "1", "--plan", ""], "cannot import 'no_such_package_xyz'"),
+    (["profile", f"{__name__}:small_model", "--batch", "1", "--plan", ""], "--input"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "frobnicate()"], "unknown step 'frobnicate'"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "checkpoint("], "cannot read plan"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "checkpoint('nope')"], "matches no module"),
+    (["demo", "--snapshot", "s.pickle", "--device", "cpu"], "--snapshot"),
+])
+def test_bad_input_gets_one_clear_line(capsys, argv, expected):
+    one_error_line(capsys, argv, expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_asked_without_cuda(capsys):
+    one_error_line(capsys, ["demo", "--device", "cuda"], "--device cuda asked")
+
+
+@pytest.mark.parametrize("package", ["torchvision", "timm", "transformers"])
+def test_missing_optional_package_names_the_pip_command(capsys, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    one_error_line(capsys, ["profile", f"{package}:x", "--batch", "1", "--plan", ""], f"pip install {package}")
+
+
+def test_unknown_torchvision_model(capsys):
+    pytest.importorskip("torchvision")
+    one_error_line(capsys, ["profile", "torchvision:resnet1888", "--batch", "1", "--plan", ""], "resnet18")
+
+
+def test_torchvision_model_runs(capsys):
+    pytest.importorskip("torchvision")
+    argv = ["profile", "torchvision:resnet18", "--batch", "2", "--input", "3,32,32", "--plan", "checkpoint('layer1')", *FAST]
+    assert main(argv) == 0 and "layer1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config, head, labels", [("GPT2Config", "GPT2LMHeadModel", "1x16"),
+                                                   ("BertConfig", "BertForSequenceClassification", "1 ")])
+def test_transformers_config_class_runs(capsys, monkeypatch, config, head, labels):
+    transformers = pytest.importorskip("transformers")
+    import shrinkwrap.cli as cli
+
+    small = dict(GPT2Config=dict(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64),
+                 BertConfig=dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=128, max_position_embeddings=64))
+    # The default configs build 100M-parameter models; the path under test is the same for a small one.
+    monkeypatch.setattr(cli, "_hf_config", lambda name: getattr(transformers, name)(**small[name]))
+    argv = ["profile", f"transformers:{config}", "--batch", "1", "--input", "16", "--plan", "", "--json", "-", *FAST]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == f"transformers:{config}" and f"input_ids 1x16 int64, labels {labels}" in data["batch"]
+    assert any(e["module"].startswith(("transformer.", "bert.")) for e in data["rows"][0]["top_modules"])
+    assert type(cli._transformers(config)).__name__ == head
+
+
+def test_python_dash_m_runs_the_command():
+    run = subprocess.run([sys.executable, "-m", "shrinkwrap", "profile", "x:y", "--batch", "1", "--plan", "bogus("],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("shrinkwrap: error: cannot read plan")

@@ -1,0 +1,288 @@
+"""The measuring harness: shrinkwrap.measure (one configuration) and Plan.measure (baseline -> steps)."""
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from shrinkwrap.measure import ModuleLog, SavedTensors
+from shrinkwrap.measure.step import default_loss
+
+FAST = dict(steps=1, warmup=1, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP threads that wait
+    for each other make a step a hundred times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_measure_function_shadows_the_subpackage():
+    import shrinkwrap.measure.saved  # noqa: F401  (the submodule import still works)
+    from shrinkwrap.measure.saved import saved_tensor_bytes
+
+    assert callable(sw.measure) and sw.measure.__module__ == "shrinkwrap.measure.step"
+    assert saved_tensor_bytes is sw.saved_tensor_bytes
+
+
+def test_cpu_profile_counts_what_it_labels():
+    model, x = mlp(), torch.randn(16, 32)
+    prof = sw.measure(model, x, steps=3, warmup=1, device="cpu")
+    params = list(model.parameters())
+    assert prof.peak is None and prof.static is None and prof.breakdown() == {}  # no GPU peak passed off
+    assert prof.device == "cpu" and prof.torch_version == torch.__version__
+    assert prof.saved == sw.saved_tensor_bytes(lambda: model(x))
+    assert prof.parameters == nbytes(params) + nbytes(model.buffers())
+    assert prof.gradients == nbytes(params)
+    assert prof.optimizer_state >= 2 * nbytes(params)  # AdamW: exp_avg and exp_avg_sq (and step counters)
+    assert prof.batch == x.nbytes
+    assert len(prof.step_times_ms) == 3 and prof.step_ms > 0
+    assert "no GPU peak" in str(prof)
+
+
+def test_measure_leaves_the_model_as_it_was():
+    model = mlp().eval()
+    model(torch.randn(4, 32)).sum().backward()  # the user's own gradients, to be kept
+    modules = list(model.modules())
+    params = {n: p for n, p in model.named_parameters()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    sw.measure(model, torch.randn(16, 32), **FAST)
+    assert list(model.modules()) == modules
+    assert {n: p for n, p in model.named_parameters()} == params  # same objects
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # weights, running stats, num_batches_tracked
+    assert all(torch.equal(p.grad, grads[n]) for n, p in params.items())
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class HFLike(nn.Module):
+    """Keyword inputs and an output object, as Hugging Face models take and give."""
+
+    def __init__(self, loss: bool) -> None:
+        super().__init__()
+        self.emb, self.loss = nn.Embedding(50, 16), loss
+
+    def forward(self, input_ids, labels=None):
+        logits = self.emb(input_ids)
+        loss = logits.pow(2).mean() if self.loss else None
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("with_loss", [True, False])
+def test_dict_batch_and_output_objects(with_loss):
+    prof = sw.measure(HFLike(with_loss), {"input_ids": torch.randint(0, 50, (4, 8))}, **FAST)
+    assert prof.gradients > 0
+
+
+def test_default_loss():
+    t = torch.tensor([1.0, 3.0])
+    assert default_loss(t) == 2
+    assert default_loss(types.SimpleNamespace(loss=torch.tensor(5.0), logits=t)) == 5
+    assert default_loss(types.SimpleNamespace(loss=None, logits=t)) == 2
+    assert default_loss((t, "aux")) == 2
+    with pytest.raises(TypeError, match="loss_fn"):
+        default_loss("text")
+
+
+def test_grad_scaler_is_used_for_float16_autocast(monkeypatch):
+    made = []
+
+    class Recording(torch.amp.GradScaler):
+        def __init__(self, *a, **k):
+            made.append(a)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Recording)
+    model = mlp()
+    sw.measure(model, torch.randn(8, 32), **FAST)
+    assert not made
+    sw.apply(model, sw.Plan([sw.autocast(torch.float16)]))
+    sw.measure(model, torch.randn(8, 32), **FAST)
+    assert made == [("cpu",)]
+
+
+def test_saved_tensors_live_count_falls_to_zero_after_backward():
+    model, x = mlp(), torch.randn(16, 32)
+    with SavedTensors() as saved:
+        loss = model(x).sum()
+        held = saved.live
+        loss.backward()
+    assert held == saved.bytes == saved.peak_live > 0
+    assert saved.live == 0
+
+
+def test_module_log_names_real_modules_and_its_events():
+    model = mlp()
+    prof = sw.measure(model, torch.randn(16, 32), **FAST)
+    names = {n for n, _ in model.named_modules()}
+    assert {e.module for e in prof.timeline} <= names
+    events = {(e.module, e.event) for e in prof.timeline}
+    assert {("0", "forward_start"), ("0", "forward_end"), ("3", "backward_end")} <= events
+    assert [e.event for e in prof.timeline if not e.module and e.event in ("zero_grad", "forward", "loss",
+            "backward", "step")] == ["zero_grad", "forward", "loss", "backward", "step"]
+    top = dict(prof.top_modules)
+    assert set(top) <= names and top["1"] > 0  # the BatchNorm keeps its input for backward
+
+
+def test_module_log_treats_a_checkpointed_region_as_one_contributor():
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 64), nn.Tanh()), nn.Sequential(nn.Linear(64, 64), nn.Tanh()))
+    sw.apply(model, sw.Plan([sw.checkpoint("0")]))
+    x = torch.randn(16, 32)
+    with SavedTensors() as saved, ModuleLog(model, lambda: saved.live) as log:
+        loss = model(x).sum()
+        log.mark("loss")  # what follows is backward: forwards run now are recomputes
+        loss.backward()
+    assert any(e.event == "recompute" for e in log.events)
+    names = [n for n, _ in log.contributors()]
+    assert "0" in names and not any(n.startswith("0.") for n in names)
+
+
+# -- Plan.measure ------------------------------------------------------------------------------
+
+
+def blocks() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh()) for _ in range(3)])
+
+
+def test_plan_report_rows_and_deltas_follow_baseline_then_steps():
+    plan = sw.Plan([sw.checkpoint(["0", "1"]), sw.checkpoint("2")])
+    report = plan.measure(blocks, torch.randn(64, 32), **FAST)
+    assert [r.step for r in report.rows] == ["baseline", str(plan.steps[0]), "checkpoint('2')"]
+    assert [r.plan for r in report.rows] == ["", str(plan.steps[0]), str(plan)]
+    assert report.rows[1].matched == ("0", "1") and report.rows[2].matched == ("2",)
+    assert report.metric == "saved_for_backward" and report.isolation == "in this process"
+    values = [r.profile.saved for r in report.rows]
+    assert values[0] > values[1] > values[2]  # each checkpoint keeps less for backward
+    rows = report.to_dict()["rows"]
+    mib = 2**20
+    for i, row in enumerate(rows):
+        assert row["value_mib"] == pytest.approx(values[i] / mib, abs=1e-3)
+        assert row["delta_base_mib"] == pytest.approx((values[i] - values[0]) / mib, abs=2e-3)
+        assert row["ratio_base"] == pytest.approx(values[i] / values[0], abs=1e-4)
+        if i:
+            assert row["delta_prev_mib"] == pytest.approx((values[i] - values[i - 1]) / mib, abs=2e-3)
+    assert rows[0]["delta_prev_mib"] is None and rows[0]["step_ratio"] == 1
+
+
+def test_plan_report_leaves_a_model_instance_untouched():
+    model = mlp()
+    modules = list(model.named_modules())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = sw.Plan([sw.checkpoint("0")]).measure(model, torch.randn(16, 32), **FAST)
+    assert report.rows[1].matched == ("0",)
+    assert list(model.named_modules()) == modules  # same names, same objects, nothing wrapped
+    assert sw.records(model) == [] and not isinstance(model[0], sw.CheckpointModule)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_rows_can_run_in_fresh_subprocesses():
+    model = mlp()  # an instance travels to the subprocess as torch.save bytes; the user's stays here
+    report = sw.Plan([]).measure(model, torch.randn(16, 32), isolate=True, **FAST)
+    assert report.isolation == "in subprocesses" and not report.notes
+    assert report.rows[0].profile.saved == sw.saved_tensor_bytes(lambda: model.train()(torch.randn(16, 32)))
+
+
+def test_an_unpicklable_row_runs_in_process_with_a_note():
+    report = sw.Plan([]).measure(lambda: nn.Linear(4, 4), torch.randn(2, 4), isolate=True, **FAST)
+    assert report.isolation == "in this process" and "cannot pickle" in report.notes[0]
+    assert "cannot pickle" in str(report)
+
+
+def test_bad_plan_raises_before_any_row_is_measured():
+    with pytest.raises(sw.SelectionError, match="nope"):
+        sw.Plan([sw.checkpoint("nope")]).measure(mlp, torch.randn(4, 32), **FAST)
+
+
+class OOMWhenOneRegion(nn.Module):
+    """Simulates a configuration that runs out of CUDA memory: exactly one checkpointed region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        if sum(isinstance(m, sw.CheckpointModule) for m in self.modules()) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return self.b(self.a(x))
+
+
+def test_a_row_that_runs_out_of_memory_says_so_and_the_rest_comes():
+    report = sw.Plan([sw.checkpoint("a"), sw.checkpoint("b")]).measure(OOMWhenOneRegion, torch.randn(4, 8), **FAST)
+    assert [r.status for r in report.rows] == ["ok", "oom", "ok"]
+    assert "out of memory" in report.rows[1].error and report.rows[1].profile is None
+    rows = report.to_dict()["rows"]
+    assert rows[1]["value_mib"] is None and rows[1]["peak_mib"] is None
+    assert rows[2]["delta_prev_mib"] is None and rows[2]["delta_base_mib"] is not None
+    assert "OOM" in str(report) and "out of memory" in str(report)
+
+
+def test_snapshot_needs_cuda():
+    with pytest.raises(ValueError, match="cuda"):
+        sw.measure(mlp(), torch.randn(4, 32), snapshot="snap.pickle", **FAST)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+
+
+def independent_peak(factory, batch) -> int:
+    """Peak of one steady AdamW step, measured plainly, as a user would (not with shrinkwrap's harness).
+    What this test process already held (other tests' tensors) is left out."""
+    before = torch.cuda.memory_allocated()
+    model = factory().cuda().train()
+    x = batch.cuda()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).float().mean().backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.cuda
+def test_cuda_baseline_peak_matches_an_independent_measurement():
+    from shrinkwrap.models import tiny_efficientnet
+
+    batch = torch.randn(64, *tiny_efficientnet.input_shape)
+    report = sw.Plan([sw.checkpoint(r"blocks\.\d+")]).measure(tiny_efficientnet, batch, steps=3)
+    assert report.metric == "peak_allocated" and report.isolation == "in subprocesses"
+    base = report.rows[0].profile
+    assert base.peak == pytest.approx(independent_peak(tiny_efficientnet, batch), rel=0.03)
+    assert report.rows[1].profile.peak < base.peak
+    assert sum(base.breakdown().values()) == base.peak
+    assert [p.name for p in base.steady_step] == ["zero_grad", "forward", "loss", "backward", "step"]
+    assert base.first_peak >= base.static > 0 and base.timeline_probe == "allocated"
+
+
+@pytest.mark.cuda
+def test_cuda_measure_in_place_restores_a_gpu_model(tmp_path):
+    model = torch.nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    prof = sw.measure(model, torch.randn(64, 256), snapshot=str(tmp_path / "snap.pickle"))
+    assert prof.peak >= prof.static > 0 and (tmp_path / "snap.pickle").stat().st_size > 0
+    assert all(torch.equal(v, state[k]) and v.is_cuda for k, v in model.state_dict().items())
