@@ -115,3 +115,16 @@ def test_python_dash_m_runs_the_command():
     run = subprocess.run([sys.executable, "-m", "shrinkwrap", "profile", "x:y", "--batch", "1", "--plan", "bogus("],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("shrinkwrap: error: cannot read plan")
+
+
+def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):
+    assert main(["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--budget", "0.6", *FAST]) == 0
+    out, _ = capsys.readouterr()
+    plan = out.strip().splitlines()[-1].removeprefix("plan: ")
+    assert "baseline" in out and "chosen" in out
+    assert main(["profile", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--plan", plan, *FAST]) == 0
+
+
+def test_fit_needs_a_readable_budget(capsys):
+    one_error_line(capsys, ["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--budget", "lots", *FAST],
+                   "cannot read budget 'lots'")

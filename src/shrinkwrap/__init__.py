@@ -38,22 +38,26 @@ half = Half
 # --- end precision ---
 
 # --- measure, report, cli (issue 5) ---
+# The function shadows the subpackage's name here, as the API reads `shrinkwrap.measure(model, batch)`;
+# `import shrinkwrap.measure.saved` and `from shrinkwrap.measure import ...` still reach the package.
+from .measure import Event, ModuleLog, Phase, Profile, measure, plan_report  # noqa: E402
+from .report import Report, Row  # noqa: E402
 # --- end measure ---
+
+from .autoplan import autoplan  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointModule",
-    "Plan",
-    "PlanError",
-    "SavedTensors",
-    "SelectionError",
-    "Step",
-    "apply",
-    "apply_checkpoint",
-    "checkpoint",
-    "records",
-    "revert",
-    "saved_tensor_bytes",
-    "select",
+    # plans and selection
+    "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
+    # transforms: steps, functions, building blocks
+    "checkpoint", "Checkpoint", "apply_checkpoint", "CheckpointModule",
+    "swish", "Swish", "apply_swish", "MemoryEfficientSwish",
+    "bn_act", "BnAct", "apply_bn_act", "FusedBatchNormAct",
+    "autocast", "Autocast", "apply_autocast",
+    "half", "Half", "apply_half",
+    # measuring and reports
+    "measure", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
+    "saved_tensor_bytes", "SavedTensors", "autoplan",
 ]

@@ -183,6 +183,10 @@ def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any,
         _need("matplotlib")  # before minutes of measuring, not after
     report = plan.measure(factory, batch, steps=args.steps, device=device, snapshot=args.snapshot,
                           progress=_Bar(), name=name)
+    return _emit(args, report)
+
+
+def _emit(args: argparse.Namespace, report: Any) -> int:
     if args.json == "-":
         print(report.to_json())
     else:
@@ -219,6 +223,34 @@ def _profile(args: argparse.Namespace) -> int:
     return _run(args, factory, batch, plan, args.model)
 
 
+def _budget(text: str) -> float | str:
+    """'0.5' (a fraction of the baseline) stays a float; '4GiB', '500MB' or bytes stay text."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if value <= 1 else text
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from .autoplan import autoplan
+
+    device = _device(args.device)
+    if args.snapshot:
+        raise CliError("fit takes no --snapshot; profile the plan it prints to get one")
+    if args.plot:
+        _need("matplotlib")
+    factory, batch = load_model(args.model, args.input, args.batch)
+    plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
+                            allow_lossy=args.allow_lossy, maximize=args.maximize, steps=args.steps,
+                            device=device, progress=_Bar())
+    report.model = args.model
+    _emit(args, report)
+    if args.json != "-":
+        print(f"\nplan: {plan}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shrinkwrap", description="Measure what each step of a memory plan saves and costs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -243,6 +275,18 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
     outputs(prof, steps=5)
     prof.set_defaults(func=_profile)
+
+    fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
+    fit.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
+    fit.add_argument("--batch", type=_positive, required=True, help="batch size")
+    fit.add_argument("--budget", type=_budget, help="e.g. 4GiB, 500MB, or 0.5 (a fraction of the baseline)")
+    fit.add_argument("--max-slowdown", type=float, help="the most step time allowed, as a multiple of the baseline's")
+    fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
+    fit.add_argument("--maximize", choices=("speed", "batch"), default="speed",
+                     help="speed: least slowdown within the budget; batch: the largest batch that fits")
+    fit.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
+    outputs(fit, steps=3)
+    fit.set_defaults(func=_fit)
     return parser
 
 

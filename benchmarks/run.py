@@ -1,0 +1,326 @@
+"""The benchmark suite: shrinkwrap beside what users would do instead, on one GPU, in one run.
+
+    python benchmarks/run.py --model resnet18            # one model, every configuration
+    python benchmarks/run.py --model bert --configs base_fp32,fast,small
+    python benchmarks/run.py --all                       # every model (several GPU runs' worth)
+    python benchmarks/run.py --report                    # RESULTS.md tables and plots from the JSON
+
+Each configuration runs in its own process (nothing cached by an earlier configuration leaks into
+a later row) and is measured by ``shrinkwrap.measure``: one training step (zero_grad, forward,
+loss, backward, AdamW step) after warm-up; peak = ``max_memory_allocated`` over the steady step,
+static = allocated before it, activation = peak - static, median step time. Results append to
+``benchmarks/results.json``, one object per row, each with the GPU, the torch version and the date.
+
+Anchors (``kind: "anchor"``) are the recipes of ../shared/ANCHORS.md, written the way users write
+them by hand: ``torch.autocast`` around the forward, torch's own ``apply_activation_checkpointing``
+with ``checkpoint_wrapper``, selective checkpointing, ``torch.compile``. Shrinkwrap rows
+(``kind: "shrinkwrap"``) are plans, as text that ``shrinkwrap profile --plan`` accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results.json"
+
+# name: (model spec for shrinkwrap.cli.load_model, batch size, block class names, block regex)
+MODELS: dict[str, tuple[str, int, tuple[str, ...], str]] = {
+    "resnet18": ("torchvision:resnet18", 128, ("BasicBlock",), r"layer\d\.\d+"),
+    "efficientnet_b0": ("torchvision:efficientnet_b0", 128, ("MBConv",), r"features\.\d\.\d+"),
+    "resnet152": ("torchvision:resnet152", 64, ("Bottleneck",), r"layer\d\.\d+"),
+    "bert": ("transformers:BertConfig", 32, ("BertLayer",), r"bert\.encoder\.layer\.\d+"),
+    "gpt2": ("transformers:GPT2Config", 8, ("GPT2Block",), r"transformer\.h\.\d+"),
+}
+SEQ = {"bert": 512, "gpt2": 1024}
+
+# Hand-written shrinkwrap recipes (the auto-planner automates this choice).
+# fast: least memory at no more than the fp32 baseline's step time; small: least memory within 1.5x.
+RECIPES: dict[str, dict[str, str]] = {
+    # torchvision's ResNets wire BatchNorm -> ReLU inside forward(), where bn_act cannot see it.
+    "resnet18": {
+        "fast": r"checkpoint(r'layer1'), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'layer\d\.\d+'), autocast(torch.bfloat16)",
+    },
+    "efficientnet_b0": {
+        "fast": r"bn_act(), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'features\.\d\.\d+'), bn_act(), autocast(torch.bfloat16)",
+    },
+    "resnet152": {
+        "fast": r"checkpoint(r'layer[12]'), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'layer[1-4]\.\d+'), autocast(torch.bfloat16)",
+    },
+    "bert": {
+        "fast": r"checkpoint(r'bert\.encoder\.layer\.\d+'), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'bert\.encoder\.layer\.\d+'), autocast(torch.bfloat16)",
+    },
+    "gpt2": {
+        "fast": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16)",
+    },
+}
+
+
+# -- the anchors: what users write by hand ---------------------------------------------------------
+class HandAutocast(nn.Module):
+    """``with torch.autocast("cuda", bfloat16): out = model(x)``, as a user's loop does it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return self.model(*args, **kwargs)
+
+
+def _is_block(names: tuple[str, ...]) -> Callable[[nn.Module], bool]:
+    return lambda m: type(m).__name__ in names
+
+
+def torch_checkpoint_blocks(model: nn.Module, blocks: tuple[str, ...], selective: bool = False) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
+    if selective:
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        keep = {torch.ops.aten.convolution.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+        def policy(ctx: Any, op: Any, *args: Any, **kw: Any) -> Any:
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **kwargs), check_fn=_is_block(blocks))
+    return model
+
+
+def compiled(model: nn.Module, budget: float | None = None) -> nn.Module:
+    if budget is not None:
+        torch._functorch.config.activation_memory_budget = budget
+    return torch.compile(model)
+
+
+ANCHORS: dict[str, Callable[[nn.Module, tuple[str, ...]], nn.Module]] = {
+    "base_fp32": lambda m, b: m,
+    "amp_bf16": lambda m, b: HandAutocast(m),
+    "ckpt_every_block": lambda m, b: torch_checkpoint_blocks(m, b),
+    "ckpt_every_block+bf16": lambda m, b: HandAutocast(torch_checkpoint_blocks(m, b)),
+    "sac_every_block+bf16": lambda m, b: HandAutocast(torch_checkpoint_blocks(m, b, selective=True)),
+    "compile": lambda m, b: compiled(m),
+    "compile_budget0.5": lambda m, b: compiled(m, 0.5),
+    "compile+bf16": lambda m, b: compiled(HandAutocast(m)),
+}
+
+
+def configurations(model: str) -> list[str]:
+    return list(ANCHORS) + list(RECIPES[model]) + ["auto"]
+
+
+# -- one configuration, in this process ---------------------------------------------------------------
+def build(model_name: str) -> nn.Module:
+    """A fresh model on the GPU (module-level, so autoplan can send it to subprocesses)."""
+    from shrinkwrap.cli import load_model
+
+    spec, batch_size, _, _ = MODELS[model_name]
+    factory, _ = load_model(spec, (SEQ[model_name],) if model_name in SEQ else None, 1)
+    torch.manual_seed(0)
+    model = factory().cuda()
+    if model_name in SEQ:
+        model.config.use_cache = False  # a KV cache has no use in training and would be recomputed
+    return model
+
+
+def _batch(model_name: str) -> Any:
+    from shrinkwrap.cli import load_model
+
+    spec, batch_size, _, _ = MODELS[model_name]
+    return load_model(spec, (SEQ[model_name],) if model_name in SEQ else None, batch_size)[1]
+
+
+def _figures(prof: Any) -> dict[str, Any]:
+    mib = 2**20
+    return dict(
+        peak_mib=round(prof.peak / mib, 1),
+        static_mib=round(prof.static / mib, 1),
+        activation_mib=round((prof.peak - prof.static) / mib, 1),
+        step_ms=round(prof.step_ms, 2),
+        top_modules=[(n, round(b / mib, 1)) for n, b in prof.top_modules[:5]],
+        gpu=prof.device_name,
+        torch=prof.torch_version,
+        date=datetime.date.today().isoformat(),
+    )
+
+
+def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
+    import shrinkwrap as sw
+
+    batch_size, blocks = MODELS[model_name][1], MODELS[model_name][2]
+    batch = _batch(model_name)
+    row: dict[str, Any] = {"model": model_name, "batch": batch_size, "config": config}
+    if config == "auto":
+        return run_autoplan(model_name, batch)
+    model = build(model_name)
+    if config in ANCHORS:
+        row.update(kind="anchor", plan=None)
+        model = ANCHORS[config](model, blocks)
+    else:
+        plan = sw.Plan.parse(RECIPES[model_name][config])
+        row.update(kind="shrinkwrap", plan=str(plan))
+        sw.apply(model, plan)
+    try:
+        prof = sw.measure(model, batch, steps=8, warmup=3, device="cuda")
+    except torch.cuda.OutOfMemoryError as exc:
+        return [{**row, "error": f"out of memory: {str(exc).splitlines()[0]}"}]
+    return [{**row, **_figures(prof)}]
+
+
+def run_autoplan(model_name: str, batch: Any) -> list[dict[str, Any]]:
+    """autoplan with max_slowdown 1.0 (auto_fast) and 1.5 (auto_small), lossy steps allowed,
+    sharing the candidates' measurements; each row records the seconds autoplan took."""
+    import time
+
+    import shrinkwrap as sw
+
+    cache: dict = {}
+    rows = []
+    for config, slowdown in (("auto_fast", 1.0), ("auto_small", 1.5)):
+        t0 = time.perf_counter()
+        plan, report = sw.autoplan(functools.partial(build, model_name), batch, max_slowdown=slowdown,
+                                   allow_lossy=True, device="cuda", steps=8, warmup=3, cache=cache)
+        seconds = time.perf_counter() - t0
+        final = report.rows[-1] if len(plan) else report.rows[0]
+        row = {"model": model_name, "batch": MODELS[model_name][1], "config": config, "kind": "shrinkwrap",
+               "plan": str(plan), "autoplan_s": round(seconds, 1), "candidates": len(report.rows) - 1}
+        rows.append({**row, **_figures(final.profile)} if final.profile else {**row, "error": final.error})
+        print("\n".join(report.notes), file=sys.stderr)
+    return rows
+
+
+def run_model(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for i, config in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {model_name} {config}", file=sys.stderr, flush=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", model_name, config], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+        if proc.returncode or not lines:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            new = [{"model": model_name, "config": config, "error": tail[:300]}]
+        else:
+            new = json.loads(lines[-1])
+        rows += new
+        with RESULTS.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in new)
+    return rows
+
+
+# -- RESULTS.md ------------------------------------------------------------------------------------------
+def load_results(path: Path = RESULTS) -> list[dict[str, Any]]:
+    """The newest row of each (model, config), in file order."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[(row["model"], row["config"])] = row
+    return list(rows.values())
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = {r["model"]: r for r in rows if r["config"] == "base_fp32" and "error" not in r}
+    out = ["| model | batch | configuration | kind | peak MiB | static MiB | activation MiB | activation x base "
+           "| step ms | step x base | GPU | torch | date |", "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r.get('batch', '')} | {r['config']} | {r.get('kind', '')} | "
+                       f"{r['error']} |||||||||")
+            continue
+        b = base.get(r["model"])
+        act = f"{r['activation_mib'] / b['activation_mib']:.2f}" if b else ""
+        step = f"{r['step_ms'] / b['step_ms']:.2f}" if b else ""
+        out.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['kind']} | {r['peak_mib']:.0f} | "
+                   f"{r['static_mib']:.0f} | {r['activation_mib']:.0f} | {act} | {r['step_ms']:.1f} | {step} | "
+                   f"{r['gpu']} | {r['torch']} | {r['date']} |")
+    plans = [r for r in rows if r.get("plan") and "error" not in r]
+    if plans:
+        out += ["", "| model | configuration | plan | autoplan seconds (candidates measured) |", "|---|---|---|---|"]
+        for r in plans:
+            auto = f"{r['autoplan_s']} ({r['candidates']})" if "autoplan_s" in r else ""
+            out.append(f"| {r['model']} | {r['config']} | `{r['plan']}` | {auto} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["model"] != model or "error" in r:
+            continue
+        mark = "o" if r["kind"] == "anchor" else "*"
+        ax.scatter(r["step_ms"], r["peak_mib"], marker=mark, s=80 if mark == "*" else 40,
+                   color="tab:gray" if r["kind"] == "anchor" else "tab:red")
+        ax.annotate(r["config"], (r["step_ms"], r["peak_mib"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("step time (ms)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(f"{model}: anchors (o) and shrinkwrap (*)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS))
+    p.add_argument("--configs", help="comma-separated configuration names (default: all)")
+    p.add_argument("--all", action="store_true", help="every model")
+    p.add_argument("--report", action="store_true", help="print the markdown table of results.json and write plots")
+    p.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(*args.one)))  # a list of rows
+        return 0
+    if args.report:
+        rows = load_results()
+        print(table(rows))
+        for model in sorted({r["model"] for r in rows}):
+            plot(rows, model, HERE / f"plot_{model}.png")
+        return 0
+    if not torch.cuda.is_available():
+        print("benchmarks/run.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    models = list(MODELS) if args.all else [args.model] if args.model else []
+    if not models:
+        p.error("give --model NAME, --all or --report")
+    for model in models:
+        configs = args.configs.split(",") if args.configs else configurations(model)
+        unknown = [c for c in configs if c not in configurations(model)]
+        if unknown:
+            p.error(f"unknown configuration(s) {unknown}; known: {configurations(model)}")
+        print(table(run_model(model, configs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

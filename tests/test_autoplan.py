@@ -1,0 +1,117 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from shrinkwrap.autoplan import block_groups, candidates, parse_budget, scale_batch
+
+
+class Naive(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+def mlp() -> nn.Module:
+    """Four identical residual-free MLP blocks inside a Sequential, with naive Swish."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 128), Naive(), nn.Linear(128, 32), nn.LayerNorm(32)) for _ in range(4)]
+    return nn.Sequential(nn.Linear(16, 32), nn.Sequential(*blocks), nn.Linear(32, 4))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+BATCH = torch.randn(64, 16)
+FAST = dict(steps=1, warmup=1, device="cpu")
+
+
+def test_candidates_come_from_the_module_tree():
+    model = mlp()
+    assert block_groups(model) == [("1", ["1.0", "1.1", "1.2", "1.3"], False)]
+    found = [str(c) for c in candidates(model, device="cpu")]
+    assert found == ["checkpoint(('1',))", "checkpoint(('1.0',))", "checkpoint(('1.1',))", "checkpoint(('1.2',))",
+                     "checkpoint(('1.3',))", "swish()"]
+    lossy = [str(c) for c in candidates(model, allow_lossy=True, device="cpu")]
+    assert lossy[-1] == "autocast(torch.bfloat16)"
+
+
+class Res(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_groups_inside_residual_blocks_are_left_out():
+    model = nn.Sequential(nn.Sequential(Res(), Res()), nn.Sequential(Res(), Res()))
+    assert block_groups(model) == [("", ["0", "1"], False), ("0", ["0.0", "0.1"], True), ("1", ["1.0", "1.1"], True)]
+    assert [str(c) for c in candidates(model, device="cpu")] == ["checkpoint(('0',))", "checkpoint(('1',))"]
+
+
+def test_budgets_read_as_bytes_text_or_fraction():
+    assert parse_budget(1000, 5000) == 1000
+    assert parse_budget("4GiB", 0) == 4 * 2**30 and parse_budget("500MB", 0) == 500e6
+    assert parse_budget(0.5, 5000) == 2500
+    with pytest.raises(ValueError, match="cannot read budget"):
+        parse_budget("lots", 1)
+
+
+def test_chosen_plan_fits_the_budget_and_is_verified():
+    plan, report = sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
+    base = report.value(report.rows[0])
+    final = report.rows[-1]
+    assert str(plan) == final.plan and final.step.startswith("chosen")
+    assert report.value(final) <= 0.45 * base
+    # the verification is real: applying the plan and counting again gives the same bytes
+    model = sw.apply(mlp(), plan)
+    assert sw.saved_tensor_bytes(model, BATCH) == report.value(final)
+    assert any(n.startswith("taken:") for n in report.notes)
+
+
+def test_a_budget_the_baseline_meets_gives_the_empty_plan():
+    plan, report = sw.autoplan(mlp(), BATCH, budget=1.0, **FAST)
+    assert plan == sw.Plan() and "the empty plan" in report.notes[-1]
+
+
+def test_an_impossible_budget_is_an_answer_not_an_error():
+    plan, report = sw.autoplan(mlp, BATCH, budget=16, rounds=3, **FAST)  # 16 bytes
+    assert len(plan) > 0
+    msg = next(n for n in report.notes if n.startswith("no plan found"))
+    smallest = min(report.value(r) for r in report.rows if r.step.startswith("chosen"))
+    assert f"{smallest / 2**20:.1f} MiB" in msg and str(plan) in msg
+
+
+def test_least_memory_within_a_slowdown():
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)
+    singles = [report.value(r) for r in report.rows[1:] if not r.step.startswith("chosen")]
+    assert report.value(report.rows[-1]) <= min(singles)   # no single candidate does better
+    assert "checkpoint(('1',))" in str(plan)               # the whole stage: the least memory here
+
+
+def test_the_largest_batch_that_fits():
+    plan, report = sw.autoplan(mlp, BATCH, budget=200_000, maximize="batch", **FAST)
+    tried = [r for r in report.rows if r.step.startswith("batch ")]
+    fits = [int(r.step.split()[1].rstrip(":")) for r in tried if r.step.endswith("fits")]
+    too_large = [int(r.step.split()[1].rstrip(":")) for r in tried if r.step.endswith("too large")]
+    assert fits and too_large and max(fits) < min(too_large)
+    assert f"largest batch that fits the budget: {max(fits)}" in report.notes[-1]
+
+
+def test_scale_batch_cuts_and_repeats_along_the_first_dimension():
+    b = {"ids": torch.arange(6).view(3, 2), "x": torch.ones(3)}
+    assert scale_batch(b, 2)["ids"].tolist() == [[0, 1], [2, 3]]
+    assert scale_batch(b, 5)["ids"].shape == (5, 2) and scale_batch(b, 5)["x"].shape == (5,)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="needs a budget"):
+        sw.autoplan(mlp, BATCH)
+    with pytest.raises(ValueError, match="maximize"):
+        sw.autoplan(mlp, BATCH, budget=0.5, maximize="fun")
