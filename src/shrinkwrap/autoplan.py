@@ -10,8 +10,9 @@ impact" — done for the user:
    "checkpoint each block" (in groups of consecutive blocks when there are many); plus
    ``swish()`` and ``bn_act()`` where they apply, and ``autocast(bfloat16)`` when lossy steps
    are allowed and the device runs bfloat16.
-2. Each candidate is measured alone against the baseline (on CUDA the peak and step time, each in
-   its own process; without CUDA the bytes saved for backward and step time).
+2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; those
+   that save memory at no cost in time form a base, and every other candidate is measured on top
+   of it (on CUDA the peak and step time; without CUDA the bytes saved for backward and step time).
 3. Candidates are taken greedily by memory saved per millisecond added (free savings first) until
    the prediction fits; candidates that cover the same modules exclude each other.
 4. The chosen plan is measured; where it misses the budget or the slowdown limit (savings do not
@@ -164,6 +165,17 @@ def _plan(chosen: list[Candidate]) -> Plan:
 
 
 # -- choosing -----------------------------------------------------------------------------------------
+def _effects(cands: list[Candidate], rows: list[Row], base: Row, metric: Callable[[Row], Any]) -> list[Effect]:
+    """What each candidate's row saved and cost against ``base``'s row."""
+    out = []
+    for cand, row in zip(cands, rows):
+        if row.profile is None or base.profile is None:
+            out.append(Effect(cand, 0.0, 0.0, error=row.error or "failed"))
+        else:
+            out.append(Effect(cand, float(metric(base) - metric(row)), row.profile.step_ms - base.profile.step_ms))
+    return out
+
+
 def _greedy(effects: list[Effect], base_mem: float, base_t: float, target: float | None,
             max_t: float | None) -> list[Effect]:
     chosen: list[Effect] = []
@@ -253,35 +265,36 @@ def autoplan(
         return [dataclasses.replace(cache[str(p), isolate]) for p in plans]
 
     cands = candidates(make(), allow_lossy=allow_lossy, device=dev)
-    plans = [Plan()] + [Plan(c.steps) for c in cands]
+    whole = [c for c in cands if not c.covers]  # swish, bn_act, autocast: steps on the whole model
     if progress:
-        progress(0, len(plans) + rounds, "baseline and candidates")
+        progress(0, len(cands) + rounds, "baseline and candidates")
     # Candidates are compared with a baseline measured the same way (in this process unless asked
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
     # each in a fresh process on CUDA.
-    rows = measure(plans, isolate_candidates)
-    effects_base = rows[0]
-    rows[0] = measure([Plan()], True)[0]
-    report = Report(rows, str(dev), device_name(dev), torch.__version__,
+    # Stage 1: each whole-model step alone. Those that save memory and cost no time ("free": bf16
+    # autocast, usually) form the base that every other candidate is then measured on top of, so
+    # that what autocast does to a checkpoint's saving and cost is measured, not guessed.
+    rows = measure([Plan()] + [Plan(c.steps) for c in whole], isolate_candidates)
+    if rows[0].profile is None:
+        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {rows[0].error}")
+    report = Report([], str(dev), device_name(dev), torch.__version__,
                     model=getattr(make, "__name__", type(make).__name__), batch=describe_batch(batch),
                     isolation="candidates in this process, the baseline and chosen plans in subprocesses"
                     if cuda and not isolate_candidates else "in subprocesses" if cuda else "in this process")
     metric = report.value
+    free = [e for e in _effects(whole, rows[1:], rows[0], metric) if not e.error and e.saving > 0 and e.cost <= 0]
+    base_steps = tuple(s for e in free for s in e.candidate.steps)
+    rest = [c for c in cands if all(c is not e.candidate for e in free)]
+    # Stage 2: every other candidate on top of the free steps.
+    on_base = measure([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], isolate_candidates)
+    effects = _effects(rest, on_base[1:], on_base[0], metric)
+    report.rows = [measure([Plan()], True)[0], *rows[1:], *(on_base if base_steps else on_base[1:])]
     base = report.rows[0]
     if base.profile is None:
         raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
     base_mem, base_t = float(metric(base)), base.profile.step_ms
     target = parse_budget(budget, base_mem)
     max_t = None if max_slowdown is None else max_slowdown * base_t
-    if effects_base.profile is None:
-        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {effects_base.error}")
-    e_mem, e_t = float(metric(effects_base)), effects_base.profile.step_ms
-    effects = []
-    for cand, row in zip(cands, report.rows[1:]):
-        if row.profile is None:
-            effects.append(Effect(cand, 0.0, 0.0, error=row.error or "failed"))
-        else:
-            effects.append(Effect(cand, e_mem - metric(row), row.profile.step_ms - e_t))
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
     if target is not None:
         notes.append(f"budget: {target / 2**20:.1f} MiB")
@@ -295,13 +308,16 @@ def autoplan(
         report.notes = notes
         return Plan(), report
 
-    chosen = _greedy(effects, base_mem, base_t, None if maximize == "batch" else target, max_t)
+    start = on_base[0].profile
+    start_mem, start_t = (float(metric(on_base[0])), start.step_ms) if start else (base_mem, base_t)
+    chosen = free + _greedy(effects, start_mem, start_t, None if maximize == "batch" else target, max_t)
+    effects = free + effects
     tried: list[Row] = []
     for r in range(rounds):
         plan = _plan([e.candidate for e in chosen])
         if progress:
-            progress(len(plans) + r, len(plans) + rounds, f"verify {plan}")
-        row = measure([plan], None)[0]
+            progress(len(cands) + r, len(cands) + rounds, f"verify {plan}")
+        row = measure([plan], True)[0]
         row.step = f"chosen (round {r + 1})"
         tried.append(row)
         if fits(row) or maximize == "batch":
@@ -319,8 +335,9 @@ def autoplan(
         chosen.append(nxt[0])
 
     for e in effects:
+        where = "alone" if e in free or not base_steps else f"on top of {Plan(base_steps)}"
         why = ("taken" if e in chosen else "left") + f": {e.candidate} saves {e.saving / 2**20:.1f} MiB, " \
-              f"{e.cost:+.1f} ms alone"
+              f"{e.cost:+.1f} ms {where}"
         if e.error:
             why = f"left: {e.candidate} failed ({e.error})"
         elif e not in chosen and e.saving <= 0:
