@@ -55,7 +55,7 @@ RECIPES: dict[str, dict[str, str]] = {
     },
     "efficientnet_b0": {
         "fast": r"bn_act(), autocast(torch.bfloat16)",
-        "small": r"checkpoint(r'features\.\d\.\d+'), bn_act(), autocast(torch.bfloat16)",
+        "small": r"checkpoint(r'features\.[1-7]\.\d+'), bn_act(), autocast(torch.bfloat16)",
     },
     "resnet152": {
         "fast": r"checkpoint(r'layer[12]'), autocast(torch.bfloat16)",
@@ -206,9 +206,9 @@ def run_autoplan(model_name: str, batch: Any) -> list[dict[str, Any]]:
         seconds = time.perf_counter() - t0
         final = report.rows[-1] if len(plan) else report.rows[0]
         row = {"model": model_name, "batch": MODELS[model_name][1], "config": config, "kind": "shrinkwrap",
-               "plan": str(plan), "autoplan_s": round(seconds, 1), "candidates": len(report.rows) - 1}
+               "plan": str(plan), "autoplan_s": round(seconds, 1), "candidates": len(report.rows) - 1,
+               "notes": report.notes}
         rows.append({**row, **_figures(final.profile)} if final.profile else {**row, "error": final.error})
-        print("\n".join(report.notes), file=sys.stderr)
     return rows
 
 

@@ -78,6 +78,7 @@ def test_chosen_plan_fits_the_budget_and_is_verified():
 def test_a_budget_the_baseline_meets_gives_the_empty_plan():
     plan, report = sw.autoplan(mlp(), BATCH, budget=1.0, **FAST)
     assert plan == sw.Plan() and "the empty plan" in report.notes[-1]
+    assert len(report.rows) == 1   # nothing else measured
 
 
 def test_an_impossible_budget_is_an_answer_not_an_error():

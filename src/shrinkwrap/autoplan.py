@@ -271,30 +271,34 @@ def autoplan(
     # Candidates are compared with a baseline measured the same way (in this process unless asked
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
     # each in a fresh process on CUDA.
-    # Stage 1: each whole-model step alone. Those that save memory and cost no time ("free": bf16
-    # autocast, usually) form the base that every other candidate is then measured on top of, so
-    # that what autocast does to a checkpoint's saving and cost is measured, not guessed.
-    rows = measure([Plan()] + [Plan(c.steps) for c in whole], isolate_candidates)
-    if rows[0].profile is None:
-        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {rows[0].error}")
-    report = Report([], str(dev), device_name(dev), torch.__version__,
+    base = measure([Plan()], True)[0]
+    if base.profile is None:
+        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
+    report = Report([base], str(dev), device_name(dev), torch.__version__,
                     model=getattr(make, "__name__", type(make).__name__), batch=describe_batch(batch),
                     isolation="candidates in this process, the baseline and chosen plans in subprocesses"
                     if cuda and not isolate_candidates else "in subprocesses" if cuda else "in this process")
     metric = report.value
-    free = [e for e in _effects(whole, rows[1:], rows[0], metric) if not e.error and e.saving > 0 and e.cost <= 0]
-    base_steps = tuple(s for e in free for s in e.candidate.steps)
-    rest = [c for c in cands if all(c is not e.candidate for e in free)]
-    # Stage 2: every other candidate on top of the free steps.
-    on_base = measure([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], isolate_candidates)
-    effects = _effects(rest, on_base[1:], on_base[0], metric)
-    report.rows = [measure([Plan()], True)[0], *rows[1:], *(on_base if base_steps else on_base[1:])]
-    base = report.rows[0]
-    if base.profile is None:
-        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
     base_mem, base_t = float(metric(base)), base.profile.step_ms
     target = parse_budget(budget, base_mem)
     max_t = None if max_slowdown is None else max_slowdown * base_t
+    if target is not None and base_mem <= target and maximize == "speed":
+        report.notes = [f"baseline: {base_mem / 2**20:.1f} MiB within the budget of {target / 2**20:.1f} MiB: "
+                        "the empty plan"]
+        return Plan(), report
+    # Stage 1: each whole-model step alone. The best of them within the limits (bf16 autocast,
+    # usually) form the base that every other candidate is then measured on top of, so that what
+    # autocast does to a checkpoint's saving and cost is measured, not guessed.
+    rows = measure([Plan()] + [Plan(c.steps) for c in whole], isolate_candidates)
+    whole_effects = _effects(whole, rows[1:], rows[0], metric)
+    in_base = _greedy(whole_effects, float(metric(rows[0])), rows[0].profile.step_ms if rows[0].profile else base_t,
+                      None if maximize == "batch" else target, max_t)
+    base_steps = tuple(s for e in in_base for s in e.candidate.steps)
+    rest = [c for c in cands if all(c is not e.candidate for e in in_base)]
+    # Stage 2: every other candidate on top of the base.
+    on_base = measure([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], isolate_candidates)
+    effects = _effects(rest, on_base[1:], on_base[0], metric)
+    report.rows += [*rows[1:], *(on_base if base_steps else on_base[1:])]
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
     if target is not None:
         notes.append(f"budget: {target / 2**20:.1f} MiB")
@@ -303,15 +307,10 @@ def autoplan(
 
     fits = lambda row: row.profile is not None and (target is None or metric(row) <= target) and (  # noqa: E731
         max_t is None or row.profile.step_ms <= max_t)
-    if target is not None and base_mem <= target and maximize == "speed":
-        notes.append("the baseline fits the budget: the empty plan")
-        report.notes = notes
-        return Plan(), report
-
     start = on_base[0].profile
     start_mem, start_t = (float(metric(on_base[0])), start.step_ms) if start else (base_mem, base_t)
-    chosen = free + _greedy(effects, start_mem, start_t, None if maximize == "batch" else target, max_t)
-    effects = free + effects
+    chosen = in_base + _greedy(effects, start_mem, start_t, None if maximize == "batch" else target, max_t)
+    effects = in_base + effects
     tried: list[Row] = []
     for r in range(rounds):
         plan = _plan([e.candidate for e in chosen])
@@ -335,7 +334,7 @@ def autoplan(
         chosen.append(nxt[0])
 
     for e in effects:
-        where = "alone" if e in free or not base_steps else f"on top of {Plan(base_steps)}"
+        where = "alone" if e in in_base or not base_steps else f"on top of {Plan(base_steps)}"
         why = ("taken" if e in chosen else "left") + f": {e.candidate} saves {e.saving / 2**20:.1f} MiB, " \
               f"{e.cost:+.1f} ms {where}"
         if e.error:
