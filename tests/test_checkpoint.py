@@ -11,7 +11,7 @@ import shrinkwrap as sw
 from shrinkwrap.select import SelectionError
 from shrinkwrap.transforms import checkpoint as ckpt_mod
 
-from toymodels import Net, net64
+from toymodels import net64
 
 
 def run(model, x, seed=1, **kw):

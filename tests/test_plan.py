@@ -1,7 +1,6 @@
 import dataclasses
 
 import pytest
-import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.plan import PlanError, Step

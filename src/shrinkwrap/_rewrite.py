@@ -13,6 +13,8 @@ from typing import Callable, Iterable, Protocol
 
 import torch.nn as nn
 
+from .select import Pattern, SelectionError, select
+
 _RECORDS = "_shrinkwrap_records"
 
 
@@ -69,6 +71,42 @@ def replace(
             set_module(model, name, new)
             done.append(Replaced(name, old))
     return done
+
+
+def wrap_targets(
+    model: nn.Module, pattern: Pattern, wrapper: type, verb: str, done: str
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The outermost modules ``pattern`` selects that a ``wrapper`` region should wrap, and those
+    passed over with the reason: already wrapped, or inside a region (never a region in a region).
+
+    ``verb``/``done`` word the messages ("checkpoint"/"checkpointed"). A module with no forward
+    of its own (``ModuleList``) is an error naming it and the fix.
+    """
+    regions = [n for n, m in model.named_modules() if isinstance(m, wrapper)]
+    wrap, skipped = [], []
+    for name in select(model, pattern, outermost=True):
+        module = model.get_submodule(name)
+        enclosing = next((r for r in regions if name.startswith(r + ".")), None)
+        if isinstance(module, wrapper):
+            skipped.append((name, f"already {done}"))
+        elif enclosing is not None:
+            skipped.append((name, f"inside {done} {enclosing!r}"))
+        elif type(module).forward is nn.Module.forward:
+            raise SelectionError(
+                f"shrinkwrap: cannot {verb} {name!r} ({type(module).__name__}): it has no "
+                f"forward of its own. Select the modules inside it, e.g. r'{name}\\.\\d+'."
+            )
+        else:
+            wrap.append(name)
+    return wrap, skipped
+
+
+def unwrap_inside(model: nn.Module, names: list[str], wrapper: type) -> list[Replaced]:
+    """Unwrap the ``wrapper`` regions inside (or, for the root ``""``, anywhere in) the modules
+    at ``names``, before those are wrapped: a new region absorbs the ones inside it."""
+    inner = [n for n, m in model.named_modules()
+             if isinstance(m, wrapper) and any(w == "" or n.startswith(w + ".") for w in names)]
+    return replace(model, inner, lambda n, m: m.wrapped)
 
 
 def records(model: nn.Module) -> list[Record]:

@@ -268,23 +268,24 @@ def _parser() -> argparse.ArgumentParser:
     outputs(demo, steps=3)
     demo.set_defaults(func=_demo)
 
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
+        p.add_argument("--batch", type=_positive, required=True, help="batch size")
+        p.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
+
     prof = sub.add_parser("profile", help="measure a plan on a torchvision, timm, transformers or your own model")
-    prof.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
-    prof.add_argument("--batch", type=_positive, required=True, help="batch size")
+    model_args(prof)
     prof.add_argument("--plan", required=True, help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\"")
-    prof.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
     outputs(prof, steps=5)
     prof.set_defaults(func=_profile)
 
     fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
-    fit.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
-    fit.add_argument("--batch", type=_positive, required=True, help="batch size")
+    model_args(fit)
     fit.add_argument("--budget", type=_budget, help="e.g. 4GiB, 500MB, or 0.5 (a fraction of the baseline)")
     fit.add_argument("--max-slowdown", type=float, help="the most step time allowed, as a multiple of the baseline's")
     fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
     fit.add_argument("--maximize", choices=("speed", "batch"), default="speed",
                      help="speed: least slowdown within the budget; batch: the largest batch that fits")
-    fit.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
     outputs(fit, steps=3)
     fit.set_defaults(func=_fit)
     return parser

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, unwrap
 from ..plan import Step
-from ..select import Pattern, SelectionError, select
+from ..select import Pattern, SelectionError
 
 
 class _RestoreNormStats:
@@ -141,30 +141,15 @@ class Checkpoint(Step):
             object.__setattr__(self, "pattern", tuple(self.pattern))
 
     def _targets(self, model: nn.Module) -> tuple[list[str], list[tuple[str, str]]]:
-        wrap, skipped = [], []
-        for name in select(model, self.pattern, outermost=True):
-            module = model.get_submodule(name)
-            enclosing = next(
-                (p for p in _ancestors(name) if isinstance(model.get_submodule(p), CheckpointModule)),
-                None,
-            )
-            if isinstance(module, CheckpointModule):
-                skipped.append((name, "already checkpointed"))
-            elif enclosing is not None:
-                skipped.append((name, f"inside checkpointed {enclosing!r}"))
-            elif type(module).forward is nn.Module.forward:
-                raise SelectionError(
-                    f"shrinkwrap: cannot checkpoint {name!r} ({type(module).__name__}): it has no "
-                    f"forward of its own. Select the modules inside it, e.g. r'{name}\\.\\d+'."
-                )
-            elif not self.clone_inputs and getattr(_first_leaf(module), "inplace", False):
+        wrap, skipped = _rewrite.wrap_targets(model, self.pattern, CheckpointModule, "checkpoint", "checkpointed")
+        for name in wrap:
+            first = _first_leaf(model.get_submodule(name))
+            if not self.clone_inputs and getattr(first, "inplace", False):
                 raise SelectionError(
                     f"shrinkwrap: cannot checkpoint {name!r}: it starts with an in-place "
-                    f"{type(_first_leaf(module)).__name__}, which modifies the region's input that the "
+                    f"{type(first).__name__}, which modifies the region's input that the "
                     "recompute needs. Checkpoint a region that starts after it, or pass clone_inputs=True."
                 )
-            else:
-                wrap.append(name)
         return wrap, skipped
 
     def check(self, model: nn.Module) -> None:
@@ -172,22 +157,12 @@ class Checkpoint(Step):
 
     def apply(self, model: nn.Module) -> nn.Module:
         wrap, skipped = self._targets(model)
-        # Never a checkpoint inside a checkpoint: a new region absorbs the ones inside it.
-        inner = [
-            n for n, m in model.named_modules()
-            if isinstance(m, CheckpointModule) and any(n.startswith(w + ".") for w in wrap)
-        ]
-        undo = _rewrite.replace(model, inner, lambda n, m: m.wrapped)
+        undo = _rewrite.unwrap_inside(model, wrap, CheckpointModule)
         undo += _rewrite.replace(
             model, wrap, lambda n, m: CheckpointModule(m, name=n, clone_inputs=self.clone_inputs)
         )
         _rewrite.record(model, _rewrite.Record(str(self), tuple(wrap), tuple(skipped), undo))
         return model
-
-
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool = False) -> nn.Module:

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _rewrite
 from .._wrapper import TransparentWrapper
 from ..plan import Plan, PlanError, Step
-from ..select import Pattern, SelectionError, select
+from ..select import Pattern, select
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -326,25 +326,9 @@ class Autocast(Step):
         at_root = any(isinstance(e, RootHooks) and e.kind == "Autocast" for e in _undo_entries(model))
         if self.pattern is None:
             return ([], [("", "already autocast")]) if at_root else ([""], [])
-        regions = [n for n, m in model.named_modules() if isinstance(m, AutocastModule)]
-        wrap, skipped = [], []
-        for name in select(model, self.pattern, outermost=True):
-            module = model.get_submodule(name)
-            enclosing = next((r for r in regions if name.startswith(r + ".")), None)
-            if at_root:
-                skipped.append((name, "inside the autocast root"))
-            elif isinstance(module, AutocastModule):
-                skipped.append((name, "already autocast"))
-            elif enclosing is not None:
-                skipped.append((name, f"inside autocast {enclosing!r}"))
-            elif type(module).forward is nn.Module.forward:
-                raise SelectionError(
-                    f"shrinkwrap: cannot autocast {name!r} ({type(module).__name__}): it has no "
-                    f"forward of its own. Select the modules inside it, e.g. r'{name}\\.\\d+'."
-                )
-            else:
-                wrap.append(name)
-        return wrap, skipped
+        if at_root:
+            return [], [(name, "inside the autocast root") for name in select(model, self.pattern, outermost=True)]
+        return _rewrite.wrap_targets(model, self.pattern, AutocastModule, "autocast", "autocast")
 
     def check(self, model: nn.Module) -> None:
         _check_model(self, model, self.dtype, autocast=True)
@@ -354,11 +338,7 @@ class Autocast(Step):
         self.check(model)
         wrap, skipped = self._targets(model)
         # Never a region inside a region: a new one absorbs those inside it (the root: all).
-        inner = [
-            n for n, m in model.named_modules()
-            if isinstance(m, AutocastModule) and any(w == "" or n.startswith(w + ".") for w in wrap)
-        ]
-        undo: list[Any] = _rewrite.replace(model, inner, lambda n, m: m.wrapped)
+        undo: list[Any] = _rewrite.unwrap_inside(model, wrap, AutocastModule)
         if wrap == [""]:
             _compile_eagerly()
             hooks = _AutocastRoot(self.dtype, self.keep_output_dtype)
