@@ -85,3 +85,32 @@ def test_non_steps_are_refused():
 def test_plan_composes():
     plan = sw.Plan([sw.checkpoint("layer1")]) + sw.checkpoint("layer2")
     assert len(plan) == 2 and [s.pattern for s in plan] == ["layer1", "layer2"]
+
+
+def test_steps_with_different_predicates_are_not_taken_for_one_another():
+    model = Net()
+    sw.apply(model, [sw.checkpoint(lambda m, n: n == "layer1")])
+    sw.apply(model, [sw.checkpoint(lambda m, n: n == "layer2")])   # prints the same text
+    assert isinstance(model.layer2, sw.CheckpointModule)
+    sw.apply(model, [sw.checkpoint("layer1")])                      # text names it: skipped
+    assert len(sw.records(model)) == 3 and sw.records(model)[-1].skipped == (("layer1", "already checkpointed"),)
+
+
+def test_a_skipped_step_is_not_checked_again():
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counted(Step):
+        name = "counted_test_step"
+
+        def check(self, model):
+            calls.append("check")
+
+        def apply(self, model):
+            sw.plan._rewrite.record(model, sw.plan._rewrite.Record(str(self), ()))
+            return model
+
+    model = Net()
+    sw.apply(model, [Counted()])
+    sw.apply(model, [Counted()])
+    assert calls == ["check"]

@@ -10,14 +10,15 @@ impact" — done for the user:
    "checkpoint each block" (in groups of consecutive blocks when there are many); plus
    ``swish()`` and ``bn_act()`` where they apply, and ``autocast(bfloat16)`` when lossy steps
    are allowed and the device runs bfloat16.
-2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; those
-   that save memory at no cost in time form a base, and every other candidate is measured on top
-   of it (on CUDA the peak and step time; without CUDA the bytes saved for backward and step time).
+2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; the
+   best of them within the limits (chosen as in 3.) form a base, and every other candidate is
+   measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
+   backward and step time).
 3. Candidates are taken greedily by memory saved per millisecond added (free savings first) until
    the prediction fits; candidates that cover the same modules exclude each other.
-4. The chosen plan is measured; where it misses the budget or the slowdown limit (savings do not
-   add exactly: autocast halves what checkpointing would save) it is refined — one more
-   candidate, or the costliest dropped — and measured again.
+4. The chosen plan is measured in a fresh process; where it misses the budget or the slowdown
+   limit (savings and costs do not add exactly) it is refined — one more candidate, or the
+   costliest dropped, base steps last — and measured again.
 """
 
 from __future__ import annotations
@@ -320,6 +321,7 @@ def autoplan(
     chosen = in_base + _greedy(effects, start_mem, start_t, None if maximize == "batch" else target, max_t)
     effects = in_base + effects
     tried: list[Row] = []
+    dropped: list[Effect] = []
     for r in range(rounds):
         plan = _plan([e.candidate for e in chosen])
         if progress:
@@ -329,11 +331,16 @@ def autoplan(
         tried.append(row)
         if fits(row) or maximize == "batch":
             break
-        # Refine: over the time limit -> drop the costliest; over budget -> add the next candidate.
+        # Refine: over the time limit -> drop the costliest, from what was measured on top of the
+        # base first (the base is what those measurements assume); over budget -> add the next
+        # candidate. What was dropped is not added back, so rounds cannot swing between two plans.
         if row.profile is not None and max_t is not None and row.profile.step_ms > max_t and chosen:
-            chosen.remove(max(chosen, key=lambda e: e.cost))
+            pool = [e for e in chosen if e not in in_base] or chosen
+            worst = max(pool, key=lambda e: e.cost)
+            chosen.remove(worst)
+            dropped.append(worst)
             continue
-        rest = [e for e in effects if e not in chosen]
+        rest = [e for e in effects if e not in chosen and e not in dropped]
         nxt = _greedy(rest, metric(row) if row.profile else base_mem, row.profile.step_ms if row.profile else base_t,
                       None, max_t)
         nxt = [e for e in nxt if not any(e.candidate.overlaps(c.candidate) for c in chosen)][:1]
