@@ -35,13 +35,13 @@ import torch.nn as nn
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
 
-# name: (model spec for shrinkwrap.cli.load_model, batch size, block class names, block regex)
-MODELS: dict[str, tuple[str, int, tuple[str, ...], str]] = {
-    "resnet18": ("torchvision:resnet18", 128, ("BasicBlock",), r"layer\d\.\d+"),
-    "efficientnet_b0": ("torchvision:efficientnet_b0", 128, ("MBConv",), r"features\.\d\.\d+"),
-    "resnet152": ("torchvision:resnet152", 64, ("Bottleneck",), r"layer\d\.\d+"),
-    "bert": ("transformers:BertConfig", 32, ("BertLayer",), r"bert\.encoder\.layer\.\d+"),
-    "gpt2": ("transformers:GPT2Config", 8, ("GPT2Block",), r"transformer\.h\.\d+"),
+# name: (model spec for shrinkwrap.cli.load_model, batch size, block class names for the anchors)
+MODELS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "resnet18": ("torchvision:resnet18", 128, ("BasicBlock",)),
+    "efficientnet_b0": ("torchvision:efficientnet_b0", 128, ("MBConv",)),
+    "resnet152": ("torchvision:resnet152", 64, ("Bottleneck",)),
+    "bert": ("transformers:BertConfig", 32, ("BertLayer",)),
+    "gpt2": ("transformers:GPT2Config", 8, ("GPT2Block",)),
 }
 SEQ = {"bert": 512, "gpt2": 1024}
 
@@ -135,24 +135,20 @@ def configurations(model: str) -> list[str]:
 
 
 # -- one configuration, in this process ---------------------------------------------------------------
-def build(model_name: str) -> nn.Module:
-    """A fresh model on the GPU (module-level, so autoplan can send it to subprocesses)."""
+def _load(model_name: str, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
     from shrinkwrap.cli import load_model
 
-    spec, batch_size, _, _ = MODELS[model_name]
-    factory, _ = load_model(spec, (SEQ[model_name],) if model_name in SEQ else None, 1)
+    return load_model(MODELS[model_name][0], (SEQ[model_name],) if model_name in SEQ else None, batch_size)
+
+
+def build(model_name: str) -> nn.Module:
+    """A fresh model on the GPU (module-level, so autoplan can send it to subprocesses)."""
+    factory, _ = _load(model_name, 1)
     torch.manual_seed(0)
     model = factory().cuda()
     if model_name in SEQ:
         model.config.use_cache = False  # a KV cache has no use in training and would be recomputed
     return model
-
-
-def _batch(model_name: str) -> Any:
-    from shrinkwrap.cli import load_model
-
-    spec, batch_size, _, _ = MODELS[model_name]
-    return load_model(spec, (SEQ[model_name],) if model_name in SEQ else None, batch_size)[1]
 
 
 def _figures(prof: Any) -> dict[str, Any]:
@@ -172,8 +168,8 @@ def _figures(prof: Any) -> dict[str, Any]:
 def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
     import shrinkwrap as sw
 
-    batch_size, blocks = MODELS[model_name][1], MODELS[model_name][2]
-    batch = _batch(model_name)
+    _, batch_size, blocks = MODELS[model_name]
+    batch = _load(model_name, batch_size)[1]
     row: dict[str, Any] = {"model": model_name, "batch": batch_size, "config": config}
     if config == "auto":
         return run_autoplan(model_name, batch)

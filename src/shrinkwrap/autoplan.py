@@ -358,7 +358,7 @@ def autoplan(
             why += " (saves nothing)"
         elif e not in chosen and any(e.candidate.overlaps(c.candidate) for c in chosen):
             why += " (covers modules a chosen candidate covers)"
-        elif e.candidate.lossy and not allow_lossy:
+        if e.candidate.lossy:
             why += " (lossy)"
         notes.append(why)
     # The fastest plan that fits a budget, the smallest that fits a time limit, else the smallest.
