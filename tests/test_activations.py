@@ -72,6 +72,15 @@ class InplaceSwish(nn.Module):
         return x.mul_(torch.sigmoid(x))
 
 
+class TimmSwish(nn.Module):  # timm's Swish(inplace=True)
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x):
+        return x.mul_(x.sigmoid()) if self.inplace else x.mul(x.sigmoid())
+
+
 class DetachedSwish(nn.Module):  # Swish's values, not its gradient
     def forward(self, x):
         return x * torch.sigmoid(x).detach()
@@ -284,6 +293,7 @@ ACTS = {
     "hardswish": nn.Hardswish,
     "mish": nn.Mish,
     "naive_swish": NaiveSwish,
+    "timm_swish_inplace": TimmSwish,
     "me_swish": sw.MemoryEfficientSwish,
 }
 
@@ -428,7 +438,8 @@ class BatchNormAct2d(nn.BatchNorm2d):
 
 def test_bn_act_fuses_a_timm_style_batchnormact2d():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4), nn.Conv2d(4, 4, 3), BatchNormAct2d(4, act=nn.ReLU)).to(F64)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4, act=TimmSwish), nn.Conv2d(4, 4, 3),
+                          BatchNormAct2d(4, act=nn.ReLU)).to(F64)
     ref = copy.deepcopy(model)
     keys = list(model.state_dict())
     sw.apply_bn_act(model)
@@ -500,3 +511,21 @@ def test_bn_act_on_cuda_matches_unfused_float32():
     sw.apply_bn_act(model)
     x = torch.randn(16, 3, 32, 32, device="cuda")
     assert_same_run(run(model, x), run(ref, x), rtol=1e-4, atol=1e-5)
+
+
+def test_revert_keeps_a_module_the_user_replaced_after_apply_and_names_it():
+    model = mlp()
+    originals = list(model)
+    sw.apply_swish(model)
+    users = NaiveSwish()
+    model[3] = users  # what efficientnet_pytorch's set_swish() does after shrinkwrap's swap
+    with pytest.warns(UserWarning, match=r"kept 1 module.*: 3\."):
+        sw.revert(model)
+    assert model[3] is users
+    assert model[1] is originals[1] and model[5] is originals[5]
+
+
+def test_bn_act_names_why_an_activation_that_computes_swish_is_not_fused():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), DetachedSwish(), nn.Conv2d(4, 4, 1)).to(F64)
+    with pytest.raises(sw.SelectionError, match="DetachedSwish, which shrinkwrap cannot fuse: it returns swish.s values but not its gradient"):
+        sw.apply_bn_act(model)

@@ -326,3 +326,96 @@ def test_checkpointed_blocks_save_only_their_inputs():
     block_input = batch * d * 4
     assert after <= 8 * block_input
     assert before >= 8 * (2 * 4 * block_input)  # each block saves at least its two 4d-wide tensors
+
+
+# Containers a region writes into: the recompute starts from them as they were before the forward.
+class Decoder(nn.Module):
+    """Keeps its hidden state in a dict it is given, as seed 002's GRU decoder does."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(6, 6)
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x, state):
+        h = self.cell(x, state["h"])
+        state["h"] = h
+        state["history"].append(h)
+        return self.out(h) * state["history"][0]
+
+
+class Loop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dec = Decoder()
+
+    def forward(self, xs):
+        state = {"h": torch.zeros(xs.shape[1], 6, dtype=xs.dtype), "history": []}
+        return torch.stack([self.dec(x, state) for x in xs]).sum(0) + state["h"]
+
+
+def test_region_writing_into_a_dict_and_list_it_was_given_is_exact():
+    torch.manual_seed(0)
+    ref = Loop().double()
+    model = copy.deepcopy(ref)
+    sw.apply_checkpoint(model, "dec")
+    torch.manual_seed(1)
+    xs = torch.randn(4, 3, 6, dtype=torch.float64)
+    assert_same(ref, model, xs)
+
+
+def test_in_place_change_to_a_tensor_inside_a_container_is_named():
+    class Scale(nn.Module):
+        def forward(self, x, extra):
+            extra["t"][0].mul_(2)
+            return x * 2
+
+    model = nn.Sequential()
+    model.add_module("inner", Scale())
+    sw.apply_checkpoint(model, "inner")
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="'inner' modified its input in place"):
+        model.inner(x, {"t": [torch.ones(3)]})
+
+
+# Models that take use_cache (Hugging Face): no KV cache while checkpointed regions train.
+class CacheBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x, use_cache=True):
+        self.seen.append(use_cache)
+        return self.lin(x)
+
+
+class CacheModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([CacheBlock(), CacheBlock()])
+
+    def forward(self, x, use_cache=None):
+        for block in self.blocks:
+            x = block(x, use_cache=use_cache is not False)
+        return x
+
+
+def test_a_model_taking_use_cache_runs_without_cache_in_training_only():
+    model = CacheModel()
+    sw.apply_checkpoint(model, r"blocks\.\d")
+    assert "use_cache=False" in sw.records(model)[-1].notes[0]
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    model(x, True).sum().backward()                  # positional use_cache too
+    assert model.blocks[0].seen == [False] * 4       # forward and recompute, twice
+    model.blocks[0].seen.clear()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x, use_cache=True)
+    assert model.blocks[0].seen == [True, True]
+    sw.apply_checkpoint(model, r"blocks\.1")          # a second step adds no second hook
+    assert len(model._forward_pre_hooks) == 1
+    sw.revert(model)
+    assert not model._forward_pre_hooks

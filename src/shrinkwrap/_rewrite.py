@@ -8,8 +8,9 @@ hold what :func:`revert` needs to restore the original objects.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 import torch.nn as nn
 
@@ -18,30 +19,37 @@ from .select import Pattern, SelectionError, select
 _RECORDS = "_shrinkwrap_records"
 
 
-class Undo(Protocol):
-    def undo(self, model: nn.Module) -> None: ...
-
-
 @dataclass
 class Replaced:
-    """The module at ``name`` was replaced; ``original`` is what stood there before."""
+    """The module at ``name`` was replaced by ``new``; ``original`` is what stood there before."""
 
     name: str
     original: nn.Module
+    new: nn.Module
 
-    def undo(self, model: nn.Module) -> None:
+    def undo(self, model: nn.Module) -> str | None:
+        """Put ``original`` back, unless the slot no longer holds ``new``: then the user replaced
+        it after the transform, and their module stays. Returns the name in that case."""
+        try:
+            current = get_module(model, self.name)
+        except AttributeError:  # the user removed the module, or its parent
+            return self.name
+        if current is not self.new:
+            return self.name
         set_module(model, self.name, self.original)
+        return None
 
 
 @dataclass
 class Record:
     """What one step did to a model: its text, the names it acted on, the names it passed over
-    (with the reason), and how to undo it."""
+    (with the reason), how to undo it, and notes on anything else it changed."""
 
     step: str
     matched: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     undo: list = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:
@@ -69,7 +77,7 @@ def replace(
         new = make(name, old)
         if new is not old:
             set_module(model, name, new)
-            done.append(Replaced(name, old))
+            done.append(Replaced(name, old, new))
     return done
 
 
@@ -125,7 +133,9 @@ def revert(model: nn.Module, keep: int = 0) -> nn.Module:
     """Undo what shrinkwrap applied to ``model``, newest first, down to the first ``keep`` records.
 
     The original module objects are put back where they stood, so references taken before the
-    transform (an optimizer's parameters, hooks) stay valid. Returns ``model``.
+    transform (an optimizer's parameters, hooks) stay valid. A module that was replaced again after
+    shrinkwrap replaced it (``model.set_swish(False)``, say) is the user's: it stays, and a warning
+    names it. Returns ``model``.
 
     Example::
 
@@ -133,8 +143,18 @@ def revert(model: nn.Module, keep: int = 0) -> nn.Module:
         >>> sw.revert(model)   # model.layer1 is the original Sequential again
     """
     recs = records(model)
+    kept: list[str] = []
     while len(recs) > keep:
         rec = recs.pop()
         for entry in reversed(rec.undo):
-            entry.undo(model)
+            name = entry.undo(model)
+            if name is not None:
+                kept.append(name)
+    if kept:
+        warnings.warn(
+            f"shrinkwrap: revert kept {len(kept)} module(s) replaced after shrinkwrap changed them, "
+            f"as they are: {', '.join(kept[:8])}{', ...' if len(kept) > 8 else ''}. "
+            "shrinkwrap's originals for them were dropped.",
+            stacklevel=2,
+        )
     return model

@@ -17,6 +17,20 @@ import torch.nn as nn
 # Attributes that belong to the wrapper itself; any other attribute set on a wrapper is set on
 # the wrapped module, where its forward will read it.
 _OWN = ("training",)
+# The module's tree and its state_dict hooks, shared with the wrapper: a hook that a library
+# (sharding, quantization, tied weights) registered on the module before or after wrapping still
+# runs, and still sits on the module after revert. Load post-hooks are the exception (see
+# _inner_load_post_hooks): torch passes them the module it walks, which would be the wrapper.
+_SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+           "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _inner_load_post_hooks(wrapper: "TransparentWrapper", incompatible_keys: Any) -> None:
+    """The wrapped module's load_state_dict post-hooks, run with the wrapped module."""
+    inner = wrapper.wrapped
+    for hook in inner._load_state_dict_post_hooks.values():
+        if hook(inner, incompatible_keys) is not None:
+            raise AssertionError("load_state_dict post-hooks must return None and change incompatible_keys in place")
 
 
 class TransparentWrapper(nn.Module):
@@ -30,11 +44,10 @@ class TransparentWrapper(nn.Module):
         super().__init__()
         object.__setattr__(self, "_sw_inner", module)
         # Shared, not copied: .to(), load_state_dict, register_buffer on either object act on both.
-        object.__setattr__(self, "_parameters", module._parameters)
-        object.__setattr__(self, "_buffers", module._buffers)
-        object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
-        object.__setattr__(self, "_modules", module._modules)
+        for attr in _SHARED:
+            object.__setattr__(self, attr, getattr(module, attr))
         object.__setattr__(self, "training", module.training)
+        self.register_load_state_dict_post_hook(_inner_load_post_hooks)
 
     @property
     def wrapped(self) -> nn.Module:
@@ -87,6 +100,10 @@ class TransparentWrapper(nn.Module):
     def _version(self) -> int:  # type: ignore[override]
         # state_dict metadata records the wrapped module's format version, not the wrapper's.
         return getattr(self.wrapped, "_version", 1)
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        # The wrapped module's own state_dict, so its hooks run and receive the module itself.
+        return self.wrapped.state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
         self.wrapped._save_to_state_dict(destination, prefix, keep_vars)

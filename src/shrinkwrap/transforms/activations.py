@@ -124,10 +124,12 @@ def _native_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[str | None, str]:
+def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
+           inplace_ok: bool = False) -> tuple[str | None, str]:
     """What a stateless, hook-free module computes: ``(kind, "")`` if it is Swish, Mish or
     Hard-Swish and safe to replace, ``(kind, why)`` if it computes one but must be left alone,
-    ``(None, why)`` if it computes none of them."""
+    ``(None, why)`` if it computes none of them. ``inplace_ok``: a module that overwrites its
+    input is safe to replace (bn_act's fused op owns the tensor the module would overwrite)."""
     base = _probe_input(dtype, device).requires_grad_()
     x = base.clone()  # not a leaf, so an in-place module runs and can be caught
     version = x._version
@@ -151,7 +153,8 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple
     kind = next((k for k, (fn, _) in _KINDS.items() if _close(y.detach(), fn(ref_x))), None)
     if kind is None:
         return None, "does not compute Swish, Mish or Hard-Swish"
-    if x._version != version or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    inplace = x._version != version or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    if inplace and not inplace_ok:
         return kind, "modifies its input in place; the replacement would not"
     if side_effect:
         return kind, "changes its own attributes when called (a side effect the replacement would drop)"
@@ -174,7 +177,8 @@ def _probe_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return torch.get_default_dtype(), torch.device("cpu")
 
 
-def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[str | None, str]:
+def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device,
+                     inplace_ok: bool = False) -> tuple[str | None, str]:
     """Swish, Mish or Hard-Swish in any form, native or hand-written: ``(kind, why_not)``."""
     if isinstance(module, MemoryEfficientSwish):
         return "swish", ""
@@ -187,7 +191,7 @@ def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device
         return None, "has parameters or buffers (state); shrinkwrap never replaces a module with state"
     if _has_hooks(module):
         return None, "has hooks, which a replacement would drop"
-    return _probe(module, dtype, device)
+    return _probe(module, dtype, device, inplace_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,9 +345,11 @@ def _act_spec(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tu
         return ("leaky_relu", float(module.negative_slope)), ""
     if t is nn.GELU:
         return ("gelu", module.approximate), ""
-    kind, why = _activation_kind(module, dtype, device)
-    if kind is None or why:
+    kind, why = _activation_kind(module, dtype, device, inplace_ok=True)
+    if kind is None:
         return None, f"is followed by {t.__name__}, not an elementwise activation shrinkwrap can fuse"
+    if why:
+        return None, f"is followed by {t.__name__}, which shrinkwrap cannot fuse: it {why}"
     return (kind, None), ""
 
 

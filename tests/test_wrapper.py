@@ -1,0 +1,75 @@
+"""TransparentWrapper: the state_dict hooks of a wrapped module keep running, with the module itself."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+
+# Each wrapper, with the name of the module it wraps in `model()`.
+WRAPPERS = {
+    "checkpoint": (sw.checkpoint("1"), "1"),
+    "autocast": (sw.autocast(torch.bfloat16, "1"), "1"),
+    "bn_act": (sw.bn_act(), "1.1"),
+}
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU()))
+
+
+def hook_kinds(calls):
+    """Register each kind of state_dict hook on a module; each records (kind, module) when it runs."""
+    return {
+        "private_post": lambda m: m._register_state_dict_hook(lambda mod, sd, prefix, meta: calls.append(("private_post", mod))),
+        "post": lambda m: m.register_state_dict_post_hook(lambda mod, sd, prefix, meta: calls.append(("post", mod))),
+        "pre": lambda m: m.register_state_dict_pre_hook(lambda mod, prefix, keep: calls.append(("pre", mod))),
+        "load_pre": lambda m: m.register_load_state_dict_pre_hook(lambda mod, *a: calls.append(("load_pre", mod))),
+        "load_post": lambda m: m.register_load_state_dict_post_hook(lambda mod, keys: calls.append(("load_post", mod))),
+    }
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("kind", ["private_post", "post", "pre", "load_pre", "load_post"])
+def test_state_dict_hooks_of_a_wrapped_module_run_with_the_module(wrapper, kind):
+    step, name = WRAPPERS[wrapper]
+    net = model()
+    inner = net.get_submodule(name)
+    calls = []
+    hook_kinds(calls)[kind](inner)
+    sw.apply(net, step)
+    assert isinstance(net.get_submodule(name), sw._wrapper.TransparentWrapper)
+    sd = net.state_dict()
+    net.load_state_dict(sd)
+    assert calls == [(kind, inner)]
+    sw.revert(net)
+    calls.clear()
+    net.load_state_dict(net.state_dict())
+    assert calls == [(kind, inner)]
+
+
+@pytest.mark.parametrize("kind", ["post", "pre", "load_pre"])
+def test_a_hook_registered_on_the_wrapper_runs_once_and_stays_after_revert(kind):
+    net = model()
+    inner = net[1]
+    sw.apply(net, sw.checkpoint("1"))
+    calls = []
+    hook_kinds(calls)[kind](net[1])  # a library that finds the wrapper in the tree
+    net.load_state_dict(net.state_dict())
+    assert [k for k, _ in calls] == [kind]
+    sw.revert(net)
+    assert net[1] is inner
+    net.load_state_dict(net.state_dict())
+    assert [k for k, _ in calls] == [kind, kind]
+
+
+def test_a_hook_returning_a_new_state_dict_is_honoured():
+    net = model()
+
+    def rename(mod, sd, prefix, meta):  # what a tied-weights or sharding hook does: edit the dict
+        sd[prefix + "extra"] = torch.zeros(1)
+
+    net[1]._register_state_dict_hook(rename)
+    sw.apply(net, sw.checkpoint("1"))
+    assert "1.extra" in net.state_dict()
