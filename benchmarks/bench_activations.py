@@ -1,4 +1,4 @@
-"""Benchmark for issue 3: activation transforms on torchvision efficientnet_b0 (needs a CUDA GPU).
+"""Benchmark: activation transforms on torchvision efficientnet_b0 (needs a CUDA GPU).
 
 One training step = zero_grad(set_to_none) + forward + cross-entropy + backward + Adam step, fp32,
 random data at batch 128, measured by ``shrinkwrap.measure`` (3 warm-up steps; then gc,
@@ -18,7 +18,7 @@ Usage::
 
     python benchmarks/bench_activations.py --out results.json [--batch 128] [--steps 10]
 
-Targets (issue 3): naive+swish peak <= 0.82x naive_swish, step <= 1.05x native_silu;
+Targets: naive+swish peak <= 0.82x naive_swish, step <= 1.05x native_silu;
 bn_act peak <= 0.72x native_silu, step <= 1.08x native_silu.
 """
 
@@ -72,7 +72,7 @@ def measure_one(config: str, batch: int, steps: int) -> dict:
     x = torch.randn(batch, 3, 224, 224)
     target = torch.randint(0, 1000, (batch,), device="cuda")
     prof = sw.measure(model, x, loss_fn=lambda out: F.cross_entropy(out, target),
-                      optimizer=functools.partial(torch.optim.Adam), steps=steps, warmup=3, device="cuda")
+                      optimizer=functools.partial(torch.optim.Adam), iterations=steps, warmup=3, device="cuda")
     return {
         "config": config,
         "peak_mib": prof.peak / MIB,

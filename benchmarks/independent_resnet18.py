@@ -9,7 +9,7 @@ or transforms (plain ``torch.utils.checkpoint`` and ``torch.autocast``):
 
 One training step is zero_grad(set_to_none) + forward + cross-entropy + backward + AdamW step;
 after ``--warmup`` steps, gc + empty_cache + reset_peak_memory_stats, then one step, and the
-peak is ``torch.cuda.max_memory_allocated``. Then ``plan.measure`` runs the same plan
+peak is ``torch.cuda.max_memory_allocated``. Then ``sw.plan_report`` runs the same plan
 (``checkpoint('layer[1-4]'), autocast(torch.bfloat16)``) and both are printed side by side with
 their ratio. The target: every row's peak within 3%. Exit status 1 if one is not.
 
@@ -134,8 +134,8 @@ def main() -> int:
 
     plain = [independent(c, args.batch, args.warmup) for c in CONFIGS]
     batch = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    report = sw.Plan.parse(PLAN).measure(torchvision.models.resnet18, batch, loss_fn=CrossEntropy(args.batch),
-                                         warmup=args.warmup, name="torchvision resnet18")
+    report = sw.plan_report(PLAN, torchvision.models.resnet18, batch, loss_fn=CrossEntropy(args.batch),
+                            warmup=args.warmup, name="torchvision resnet18")
     print(report)
     print()
     print(f"{'configuration':<18} {'plain peak MiB':>14} {'shrinkwrap MiB':>14} {'ratio':>7}  "

@@ -11,7 +11,7 @@ loss, backward, AdamW step) after warm-up; peak = ``max_memory_allocated`` over 
 static = allocated before it, activation = peak - static, median step time. Results append to
 ``benchmarks/results.json``, one object per row, each with the GPU, the torch version and the date.
 
-Anchors (``kind: "anchor"``) are the recipes of ../shared/ANCHORS.md, written the way users write
+Anchors (``kind: "anchor"``) are the recipes of the project's anchor table (ANCHORS.md), written the way users write
 them by hand: ``torch.autocast`` around the forward, torch's own ``apply_activation_checkpointing``
 with ``checkpoint_wrapper``, selective checkpointing, ``torch.compile``. Shrinkwrap rows
 (``kind: "shrinkwrap"``) are plans, as text that ``shrinkwrap profile --plan`` accepts.
@@ -182,7 +182,7 @@ def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
         row.update(kind="shrinkwrap", plan=str(plan))
         sw.apply(model, plan)
     try:
-        prof = sw.measure(model, batch, steps=8, warmup=3, device="cuda")
+        prof = sw.measure(model, batch, iterations=8, warmup=3, device="cuda")
     except torch.cuda.OutOfMemoryError as exc:
         return [{**row, "error": f"out of memory: {str(exc).splitlines()[0]}"}]
     return [{**row, **_figures(prof)}]
@@ -200,7 +200,7 @@ def run_autoplan(model_name: str, batch: Any) -> list[dict[str, Any]]:
     for config, slowdown in (("auto_fast", 1.0), ("auto_small", 1.5)):
         t0 = time.perf_counter()
         plan, report = sw.autoplan(functools.partial(build, model_name), batch, max_slowdown=slowdown,
-                                   allow_lossy=True, device="cuda", steps=8, warmup=3, cache=cache)
+                                   allow_lossy=True, device="cuda", iterations=8, warmup=3, cache=cache)
         seconds = time.perf_counter() - t0
         final = report.rows[-1] if len(plan) else report.rows[0]
         row = {"model": model_name, "batch": MODELS[model_name][1], "config": config, "kind": "shrinkwrap",

@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 
 from shrinkwrap.cli import main
-from test_measure import one_thread  # noqa: F401  (autouse fixture)
 
-FAST = ["--steps", "1", "--device", "cpu"]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAST = ["--iterations", "1", "--device", "cpu"]
 
 
 def small_model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""The measuring harness: shrinkwrap.measure (one configuration) and Plan.measure (baseline -> steps)."""
+"""The measuring harness: shrinkwrap.measure (one configuration) and plan_report (baseline -> steps)."""
 
 import types
 
@@ -13,17 +13,10 @@ import shrinkwrap as sw
 from shrinkwrap.measure import ModuleLog, SavedTensors
 from shrinkwrap.measure.step import default_loss
 
-FAST = dict(steps=1, warmup=1, device="cpu")
+FAST = dict(iterations=1, warmup=1, device="cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP threads that wait
-    for each other make a step a hundred times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp() -> nn.Module:
@@ -45,7 +38,7 @@ def test_measure_function_shadows_the_subpackage():
 
 def test_cpu_profile_counts_what_it_labels():
     model, x = mlp(), torch.randn(16, 32)
-    prof = sw.measure(model, x, steps=3, warmup=1, device="cpu")
+    prof = sw.measure(model, x, iterations=3, warmup=1, device="cpu")
     params = list(model.parameters())
     assert prof.peak is None and prof.static is None and prof.breakdown() == {}  # no GPU peak passed off
     assert prof.device == "cpu" and prof.torch_version == torch.__version__
@@ -157,7 +150,7 @@ def test_module_log_treats_a_checkpointed_region_as_one_contributor():
     assert "0" in names and not any(n.startswith("0.") for n in names)
 
 
-# -- Plan.measure ------------------------------------------------------------------------------
+# -- plan_report ------------------------------------------------------------------------------
 
 
 def blocks() -> nn.Module:
@@ -166,9 +159,10 @@ def blocks() -> nn.Module:
 
 def test_plan_report_rows_and_deltas_follow_baseline_then_steps():
     plan = sw.Plan([sw.checkpoint(["0", "1"]), sw.checkpoint("2")])
-    report = plan.measure(blocks, torch.randn(64, 32), **FAST)
-    assert [r.step for r in report.rows] == ["baseline", str(plan.steps[0]), "checkpoint('2')"]
-    assert [r.plan for r in report.rows] == ["", str(plan.steps[0]), str(plan)]
+    report = sw.plan_report(plan, blocks, torch.randn(64, 32), **FAST)
+    assert [r.label for r in report.rows] == ["baseline", str(plan.steps[0]), "checkpoint('2')"]
+    assert [r.plan for r in report.rows] == [sw.Plan(plan.steps[:i]) for i in range(3)]
+    assert [r.role for r in report.rows] == ["baseline", "step", "step"]
     assert report.rows[1].matched == ("0", "1") and report.rows[2].matched == ("2",)
     assert report.metric == "saved_for_backward" and report.isolation == "in this process"
     values = [r.profile.saved for r in report.rows]
@@ -188,7 +182,7 @@ def test_plan_report_leaves_a_model_instance_untouched():
     model = mlp()
     modules = list(model.named_modules())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    report = sw.Plan([sw.checkpoint("0")]).measure(model, torch.randn(16, 32), **FAST)
+    report = sw.plan_report([sw.checkpoint("0")], model, torch.randn(16, 32), **FAST)
     assert report.rows[1].matched == ("0",)
     assert list(model.named_modules()) == modules  # same names, same objects, nothing wrapped
     assert sw.records(model) == [] and not isinstance(model[0], sw.CheckpointModule)
@@ -198,20 +192,20 @@ def test_plan_report_leaves_a_model_instance_untouched():
 
 def test_rows_can_run_in_fresh_subprocesses():
     model = mlp()  # an instance travels to the subprocess as torch.save bytes; the user's stays here
-    report = sw.Plan([]).measure(model, torch.randn(16, 32), isolate=True, **FAST)
+    report = sw.plan_report([], model, torch.randn(16, 32), isolate=True, **FAST)
     assert report.isolation == "in subprocesses" and not report.notes
     assert report.rows[0].profile.saved == sw.saved_tensor_bytes(lambda: model.train()(torch.randn(16, 32)))
 
 
 def test_an_unpicklable_row_runs_in_process_with_a_note():
-    report = sw.Plan([]).measure(lambda: nn.Linear(4, 4), torch.randn(2, 4), isolate=True, **FAST)
+    report = sw.plan_report([], lambda: nn.Linear(4, 4), torch.randn(2, 4), isolate=True, **FAST)
     assert report.isolation == "in this process" and "cannot pickle" in report.notes[0]
     assert "cannot pickle" in str(report)
 
 
 def test_bad_plan_raises_before_any_row_is_measured():
     with pytest.raises(sw.SelectionError, match="nope"):
-        sw.Plan([sw.checkpoint("nope")]).measure(mlp, torch.randn(4, 32), **FAST)
+        sw.plan_report([sw.checkpoint("nope")], mlp, torch.randn(4, 32), **FAST)
 
 
 class OOMWhenOneRegion(nn.Module):
@@ -228,7 +222,7 @@ class OOMWhenOneRegion(nn.Module):
 
 
 def test_a_row_that_runs_out_of_memory_says_so_and_the_rest_comes():
-    report = sw.Plan([sw.checkpoint("a"), sw.checkpoint("b")]).measure(OOMWhenOneRegion, torch.randn(4, 8), **FAST)
+    report = sw.plan_report([sw.checkpoint("a"), sw.checkpoint("b")], OOMWhenOneRegion, torch.randn(4, 8), **FAST)
     assert [r.status for r in report.rows] == ["ok", "oom", "ok"]
     assert "out of memory" in report.rows[1].error and report.rows[1].profile is None
     rows = report.to_dict()["rows"]
@@ -279,7 +273,7 @@ def test_cuda_baseline_peak_matches_an_independent_measurement():
     from shrinkwrap.models import tiny_efficientnet
 
     batch = torch.randn(64, *tiny_efficientnet.input_shape)
-    report = sw.Plan([sw.checkpoint(r"blocks\.\d+")]).measure(tiny_efficientnet, batch, steps=3)
+    report = sw.plan_report([sw.checkpoint(r"blocks\.\d+")], tiny_efficientnet, batch, iterations=3)
     assert report.metric == "peak_allocated" and report.isolation == "in subprocesses"
     base = report.rows[0].profile
     assert base.peak == pytest.approx(independent_peak(), rel=0.03)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shrinkwrap.measure import Event, Phase, Profile
+from shrinkwrap.plan import Plan
 from shrinkwrap.report import SCHEMA, Report, Row
 
 MiB = 2**20
@@ -19,7 +20,7 @@ ROW_KEYS = {
     "step", "plan", "status", "error", "value_mib", "delta_prev_mib", "delta_base_mib", "ratio_base",
     "step_ms", "step_ratio", "matched", "skipped", "peak_mib", "first_peak_mib", "static_mib", "saved_mib",
     "parameters_mib", "gradients_mib", "optimizer_state_mib", "batch_mib", "breakdown", "phases",
-    "top_modules", "timeline_probe", "timeline", "snapshot",
+    "top_modules", "timeline_probe", "timeline", "snapshot", "role", "round", "batch_size", "fits",
 }
 
 
@@ -44,11 +45,12 @@ def prof(saved_mib: float, step_ms: float, peak_mib: float | None = None) -> Pro
 def report(cuda: bool = False) -> Report:
     peaks = (200.0, 150.0, None, 100.0) if cuda else (None,) * 4
     rows = [
-        Row("baseline", "", prof(100, 10, peaks[0])),
-        Row("checkpoint('layer1')", "checkpoint('layer1')", prof(60, 15, peaks[1]), ("layer1",)),
-        Row("swish()", "checkpoint('layer1'), swish()", None, ("act",), status="oom", error="CUDA out of memory"),
-        Row("autocast(torch.bfloat16)", "checkpoint('layer1'), swish(), autocast(torch.bfloat16)",
-            prof(30, 12, peaks[3]), ("",), (("head", "kept in float32"),)),
+        Row(Plan.parse(""), prof(100, 10, peaks[0]), role="baseline"),
+        Row(Plan.parse("checkpoint('layer1')"), prof(60, 15, peaks[1]), ("layer1",), role="step"),
+        Row(Plan.parse("checkpoint('layer1'), swish()"), None, ("act",), status="oom", error="CUDA out of memory",
+            role="step"),
+        Row(Plan.parse("checkpoint('layer1'), swish(), autocast(torch.bfloat16)"),
+            prof(30, 12, peaks[3]), ("",), (("head", "kept in float32"),), role="step"),
     ]
     return Report(rows, device="cuda:0" if cuda else "cpu", device_name="Test GPU" if cuda else "test-cpu",
                   torch_version=torch.__version__, model="toy", batch="8x3x32x32 float32",

@@ -8,56 +8,29 @@ Example::
     sw.revert(model)                # the original modules again
 """
 
+# The package's face: everything public, imported from the layers below (select -> _rewrite ->
+# step -> transforms -> plan -> measure -> report -> compare -> autoplan -> cli); no module of
+# the package imports this one.
+from . import transforms
 from ._rewrite import records, revert
-from .measure import SavedTensors, saved_tensor_bytes
-from .plan import Plan, PlanError, Step, apply
+from .autoplan import autoplan
+from .compare import plan_report
+from .measure import Event, ModuleLog, Options, Phase, Profile, SavedTensors, measure, saved_tensor_bytes
+from .plan import Plan, PlanError, apply
+from .report import Report, Row
 from .select import SelectionError, select
-from .transforms.checkpoint import Checkpoint, CheckpointModule, apply_checkpoint
+from .step import Step, registered
+from .transforms import *  # noqa: F403  (each family's __all__: steps, apply_* functions, modules)
 
-checkpoint = Checkpoint
-
-# --- activations (issue 3) ---
-from .transforms.activations import (
-    BnAct,
-    FusedBatchNormAct,
-    MemoryEfficientSwish,
-    Swish,
-    apply_bn_act,
-    apply_swish,
-)
-
-swish = Swish
-bn_act = BnAct
-# --- end activations ---
-
-# --- precision (issue 4) ---
-from .transforms.precision import Autocast, Half, apply_autocast, apply_half
-
-autocast = Autocast
-half = Half
-# --- end precision ---
-
-# --- measure, report, cli (issue 5) ---
-# The function shadows the subpackage's name here, as the API reads `shrinkwrap.measure(model, batch)`;
-# `import shrinkwrap.measure.saved` and `from shrinkwrap.measure import ...` still reach the package.
-from .measure import Event, ModuleLog, Phase, Profile, measure, plan_report  # noqa: E402
-from .report import Report, Row  # noqa: E402
-# --- end measure ---
-
-from .autoplan import autoplan  # noqa: E402
+# Each step also reads as the call its text form writes: sw.checkpoint(...), sw.bn_act().
+globals().update({_cls.name: _cls for _cls in registered()})
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # plans and selection
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
-    # transforms: steps, functions, building blocks
-    "checkpoint", "Checkpoint", "apply_checkpoint", "CheckpointModule",
-    "swish", "Swish", "apply_swish", "MemoryEfficientSwish",
-    "bn_act", "BnAct", "apply_bn_act", "FusedBatchNormAct",
-    "autocast", "Autocast", "apply_autocast",
-    "half", "Half", "apply_half",
-    # measuring and reports
-    "measure", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
+    "measure", "Options", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
     "saved_tensor_bytes", "SavedTensors", "autoplan",
+    *transforms.__all__,
+    *(_cls.name for _cls in registered()),
 ]

@@ -8,11 +8,14 @@ hold what :func:`revert` needs to restore the original objects.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from .select import Pattern, SelectionError, select
 
@@ -42,14 +45,43 @@ class Replaced:
 
 @dataclass
 class Record:
-    """What one step did to a model: its text, the names it acted on, the names it passed over
-    (with the reason), how to undo it, and notes on anything else it changed."""
+    """What one step did to a model: the step, the names it acted on, the names it passed over
+    (with the reason), how to undo it, and notes on anything else it changed.
 
-    step: str
+    ``step`` is the step object; a model pickled with a step that cannot be pickled (a lambda
+    pattern) keeps the step's text there instead.
+    """
+
+    step: Any
     matched: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     undo: list = field(default_factory=list)
     notes: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        try:
+            pickle.dumps(self.step)
+        except Exception:  # noqa: BLE001 - pickle raises many types (PicklingError, AttributeError)
+            state["step"] = str(self.step)
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "Record":
+        # A deep copy keeps the step object, lambda patterns and all (only pickling drops them).
+        new = Record.__new__(Record)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) if k != "step" else v for k, v in self.__dict__.items()})
+        return new
+
+
+@dataclass
+class Hooked:
+    """Undo entry: a hook shrinkwrap put on a module."""
+
+    handle: RemovableHandle
+
+    def undo(self, model: nn.Module) -> None:
+        self.handle.remove()
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:

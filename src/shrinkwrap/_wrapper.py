@@ -34,9 +34,12 @@ def _inner_load_post_hooks(wrapper: "TransparentWrapper", incompatible_keys: Any
 
 
 class TransparentWrapper(nn.Module):
-    """Base class of shrinkwrap's wrappers. Subclasses define ``forward`` and ``label``."""
+    """Base class of shrinkwrap's wrappers. Subclasses define ``forward`` and ``label``, and set
+    ``recomputes`` when what runs inside them is recomputed in backward rather than kept (the
+    measuring layer reads it: it counts such a region as one unit)."""
 
     label = "Wrapped"
+    recomputes = False
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):

@@ -26,7 +26,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .plan import Plan, _STEPS, _load_steps
+from .compare import plan_report
+from .measure.step import resolve_device
+from .plan import Plan
+from .step import step_class
 
 _PIP = {"torchvision": "torchvision", "timm": "timm", "transformers": "transformers", "matplotlib": "'shrinkwrap[plot]'"}
 
@@ -143,16 +146,13 @@ class _Bar:
 
 
 def _device(text: str | None) -> str:
-    if text is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if text.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--device {text} asked, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                       "use --device cpu, or install a CUDA build of torch")
     try:
-        torch.device(text)
-    except RuntimeError:
-        raise CliError(f"unknown device {text!r}; use cpu or cuda") from None
-    return text
+        return str(resolve_device(text))
+    except RuntimeError as exc:
+        if text and text.startswith("cuda") and not torch.cuda.is_available():
+            raise CliError(f"--device {text} asked, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                           "use --device cpu, or install a CUDA build of torch") from None
+        raise CliError(f"unknown device {text!r}; use cpu or cuda") from exc
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -181,8 +181,8 @@ def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any,
         raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
     if args.plot:
         _need("matplotlib")  # before minutes of measuring, not after
-    report = plan.measure(factory, batch, steps=args.steps, device=device, snapshot=args.snapshot,
-                          progress=_Bar(), name=name)
+    report = plan_report(plan, factory, batch, iterations=args.iterations, device=device, snapshot=args.snapshot,
+                         progress=_Bar(), name=name)
     return _emit(args, report)
 
 
@@ -204,9 +204,8 @@ def demo_plan() -> Plan:
     this install has."""
     from .models import DEMO_PLAN
 
-    _load_steps()
     calls = ast.parse(f"[{DEMO_PLAN}]", mode="eval").body.elts  # type: ignore[attr-defined]
-    return Plan.parse(", ".join(ast.unparse(c) for c in calls if c.func.id in _STEPS))
+    return Plan.parse(", ".join(ast.unparse(c) for c in calls if step_class(c.func.id)))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -242,7 +241,7 @@ def _fit(args: argparse.Namespace) -> int:
         _need("matplotlib")
     factory, batch = load_model(args.model, args.input, args.batch)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
-                            allow_lossy=args.allow_lossy, maximize=args.maximize, steps=args.steps,
+                            allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
                             device=device, progress=_Bar())
     report.model = args.model
     _emit(args, report)
@@ -255,9 +254,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shrinkwrap", description="Measure what each step of a memory plan saves and costs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def outputs(p: argparse.ArgumentParser, steps: int) -> None:
+    def outputs(p: argparse.ArgumentParser, iterations: int) -> None:
         p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-        p.add_argument("--steps", type=_positive, default=steps, help=f"timed steps per row (default {steps})")
+        p.add_argument("--iterations", "--steps", type=_positive, default=iterations,
+                       help=f"timed training iterations per row (default {iterations})")
         p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': print it instead of the table)")
         p.add_argument("--markdown", action="store_true", help="print a markdown table instead of the aligned one")
         p.add_argument("--plot", metavar="FILE.png", help="write a PNG of memory over one step (needs matplotlib)")
@@ -265,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="measure a plan on the built-in EfficientNet-style model (no downloads)")
     demo.add_argument("--batch", type=_positive, help="batch size (default 128 on CUDA, 8 on a CPU)")
-    outputs(demo, steps=3)
+    outputs(demo, iterations=3)
     demo.set_defaults(func=_demo)
 
     def model_args(p: argparse.ArgumentParser) -> None:
@@ -276,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure a plan on a torchvision, timm, transformers or your own model")
     model_args(prof)
     prof.add_argument("--plan", required=True, help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\"")
-    outputs(prof, steps=5)
+    outputs(prof, iterations=5)
     prof.set_defaults(func=_profile)
 
     fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
@@ -286,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
     fit.add_argument("--maximize", choices=("speed", "batch"), default="speed",
                      help="speed: least slowdown within the budget; batch: the largest batch that fits")
-    outputs(fit, steps=3)
+    outputs(fit, iterations=3)
     fit.set_defaults(func=_fit)
     return parser
 

@@ -1,7 +1,8 @@
 """Plans: an ordered, serialisable list of steps, applied to a model in place.
 
-A step is a small frozen dataclass with ``check(model)`` (raise before anything changes) and
-``apply(model)``. ``str(plan)`` writes the steps as calls, comma-separated::
+A step is a small frozen dataclass (see :mod:`shrinkwrap.step`) with ``check(model)`` (raise
+before anything changes) and ``apply(model)``. ``str(plan)`` writes the steps as calls,
+comma-separated::
 
     checkpoint('layer[12]'), swish(), autocast(torch.bfloat16)
 
@@ -12,75 +13,18 @@ literals; dtypes as ``bfloat16`` or ``torch.bfloat16``; module types as dotted i
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
-from typing import Any, ClassVar, Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from . import _rewrite
-
-_STEPS: dict[str, type["Step"]] = {}
+from .step import Step, registered, step_class
 
 
 class PlanError(ValueError):
     """A plan is invalid: unknown step, bad text, or steps that contradict each other."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """Base class of plan steps. Subclasses are frozen dataclasses that set ``name``.
-
-    ``lossy`` marks steps that change the numbers (precision changes); exact steps leave
-    outputs, gradients and buffers as the untransformed model's.
-    """
-
-    name: ClassVar[str] = ""
-    lossy: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            _STEPS[cls.name] = cls
-
-    def check(self, model: nn.Module) -> None:
-        """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
-
-    def apply(self, model: nn.Module) -> nn.Module:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def conflict(self, other: "Step") -> str | None:
-        """Why this step cannot share a plan with ``other`` (None if it can)."""
-        return None
-
-    def __str__(self) -> str:
-        fields = dataclasses.fields(self)
-        parts = []
-        for i, f in enumerate(fields):
-            value = getattr(self, f.name)
-            if i == 0 and f.default is dataclasses.MISSING:
-                parts.append(_literal(value))
-            elif value != f.default:
-                parts.append(f"{f.name}={_literal(value)}")
-        return f"{self.name}({', '.join(parts)})"
-
-
-def _literal(value: Any) -> str:
-    if isinstance(value, str) and "\\" in value and not value.endswith("\\") and not set("'\n\r") & set(value):
-        return f"r'{value}'"  # regexes read as users write them: r'layer\d\.\d+'
-    if isinstance(value, torch.dtype):
-        return str(value)  # 'torch.bfloat16'
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
-    if isinstance(value, tuple):
-        inner = ", ".join(_literal(v) for v in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    if isinstance(value, list):
-        return "[" + ", ".join(_literal(v) for v in value) + "]"
-    if callable(value):
-        return f"<{getattr(value, '__qualname__', type(value).__name__)}>"
-    return repr(value)
 
 
 class Plan:
@@ -132,7 +76,6 @@ class Plan:
     @classmethod
     def parse(cls, text: str) -> "Plan":
         """Read the text that ``str(plan)`` writes. Raises :class:`PlanError` on bad text."""
-        _load_steps()
         try:
             tree = ast.parse(f"[{text}]", mode="eval")
         except SyntaxError as exc:
@@ -141,11 +84,10 @@ class Plan:
         for node in tree.body.elts:  # type: ignore[attr-defined]
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
                 raise PlanError(f"shrinkwrap: expected a step like swish() in plan, got {ast.unparse(node)!r}")
-            step_cls = _STEPS.get(node.func.id)
+            step_cls = step_class(node.func.id)
             if step_cls is None:
-                raise PlanError(
-                    f"shrinkwrap: unknown step {node.func.id!r}; known steps: {', '.join(sorted(_STEPS))}"
-                )
+                known = ", ".join(sorted(cls.name for cls in registered()))
+                raise PlanError(f"shrinkwrap: unknown step {node.func.id!r}; known steps: {known}")
             args = [_value(a) for a in node.args]
             kwargs = {k.arg: _value(k.value) for k in node.keywords if k.arg}
             try:
@@ -163,8 +105,8 @@ class Plan:
         steps already applied. A step already applied to this model is skipped, so applying a plan
         twice is a no-op.
         """
-        done = {r.step for r in _rewrite.records(model)}
-        todo = [s for s in self.steps if not (str(s) in done and _identified_by_text(s))]
+        done = [r.step for r in _rewrite.records(model)]
+        todo = [s for s in self.steps if s not in done]
         for step in todo:
             step.check(model)
         keep = len(_rewrite.records(model))
@@ -175,20 +117,6 @@ class Plan:
             _rewrite.revert(model, keep=keep)
             raise
         return model
-
-    def measure(self, model_or_factory: Any, batch: Any, **kwargs: Any) -> Any:
-        """Measure the baseline and each step of this plan; see :func:`shrinkwrap.measure.plan_report`."""
-        from .measure import plan_report
-
-        return plan_report(self, model_or_factory, batch, **kwargs)
-
-
-def _identified_by_text(step: Step) -> bool:
-    """Whether the step's text names it: two different predicates both print as ``<lambda>``."""
-    try:
-        return Plan.parse(str(step)).steps == (step,)
-    except (PlanError, ValueError, TypeError):
-        return False
 
 
 def _value(node: ast.AST) -> Any:
@@ -212,10 +140,6 @@ def _value(node: ast.AST) -> Any:
         return ast.literal_eval(node)
     except ValueError:
         raise PlanError(f"shrinkwrap: cannot read {ast.unparse(node)!r} in a plan") from None
-
-
-def _load_steps() -> None:
-    importlib.import_module("shrinkwrap.transforms")
 
 
 PlanLike = Union[Plan, Step, Sequence[Step], str]

@@ -2,7 +2,7 @@
 
 Units are MiB (2**20 bytes); every report names its device and torch version. The headline
 number is ``metric``: on CUDA ``peak_allocated`` (``max_memory_allocated`` over one steady-state
-step), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
+training iteration), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
 which is activation memory, not a GPU peak.
 
 JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be added)::
@@ -10,7 +10,10 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
     schema, device, device_name, torch_version, model, batch, isolation, notes[],
     metric ("peak_allocated" | "saved_for_backward"), metric_label,
     rows[]:
-      step ("baseline" or the step's text), plan (the cumulative plan's text),
+      step (the row's label: "baseline", the step's text, "chosen (round 1)", ...),
+      plan (the row's whole plan as text),
+      role ("baseline" | "step" | "candidate" | "chosen" | "batch"), round (autoplan's
+        verification round, or null), batch_size and fits (maximize="batch" rows, or null),
       status ("ok" | "oom"), error (null or the message),
       value_mib (the metric), delta_prev_mib, delta_base_mib, ratio_base,
       step_ms, step_ratio (against the baseline),
@@ -33,6 +36,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .plan import Plan
+
 if TYPE_CHECKING:
     from .measure.step import Profile
 
@@ -51,27 +56,50 @@ def _mib(b: int | float | None) -> float | None:
 
 @dataclass
 class Row:
-    """One configuration: the baseline, or the plan up to and including ``step``."""
+    """One configuration measured: its plan, its profile (``None`` when it failed), what the plan's
+    last step matched and skipped, and its place in the report.
 
-    step: str
-    plan: str
+    ``role`` is ``"baseline"``, ``"step"`` (a plan report's row: the plan up to that step),
+    ``"candidate"`` (autoplan), ``"chosen"`` (autoplan's verification ``round``) or ``"batch"``
+    (``maximize="batch"``: ``batch_size`` and whether it ``fits``). :attr:`label` is its text.
+    """
+
+    plan: Plan
     profile: "Profile | None"
     matched: tuple[str, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
     status: str = "ok"
     error: str | None = None
+    role: str = "candidate"
+    round: int | None = None
+    batch_size: int | None = None
+    fits: bool | None = None
+
+    @property
+    def label(self) -> str:
+        """The row's name in tables: ``baseline``, the step's text, ``chosen (round 2)``, ..."""
+        if self.role == "baseline":
+            return "baseline"
+        if self.role == "step" and self.plan.steps:
+            return str(self.plan.steps[-1])
+        if self.role == "chosen":
+            return f"chosen (round {self.round})"
+        if self.role == "batch":
+            return f"batch {self.batch_size}: {'fits' if self.fits else 'too large'}"
+        return str(self.plan) or "baseline"
 
 
 @dataclass
 class Report:
-    """What :meth:`shrinkwrap.Plan.measure` measured: the baseline, then one row per step.
+    """Measured rows side by side: :func:`shrinkwrap.plan_report`'s baseline and one row per step,
+    or autoplan's baseline, candidates and chosen plans.
 
     ``str(report)`` is an aligned table; :meth:`to_markdown`, :meth:`to_json` and :meth:`plot`
     give the other forms.
 
     Example::
 
-        >>> report = plan.measure(make_model, torch.randn(32, 3, 224, 224))
+        >>> report = sw.plan_report(plan, make_model, torch.randn(32, 3, 224, 224))
         >>> print(report)
         >>> report.save("report.json"); report.plot("memory.png")
     """
@@ -121,8 +149,12 @@ class Report:
         rows = []
         for row, d in zip(self.rows, self._deltas()):
             rows.append({
-                "step": row.step,
-                "plan": row.plan,
+                "step": row.label,
+                "plan": str(row.plan),
+                "role": row.role,
+                "round": row.round,
+                "batch_size": row.batch_size,
+                "fits": row.fits,
                 "status": row.status,
                 "error": row.error,
                 **d,
@@ -165,7 +197,7 @@ class Report:
         body = []
         for row, d in zip(self.rows, self._deltas()):
             p = row.profile
-            cells = [row.step, _num(d["value_mib"]) if p else row.status.upper(),
+            cells = [row.label, _num(d["value_mib"]) if p else row.status.upper(),
                      _num(d["delta_prev_mib"], sign=True), _num(d["delta_base_mib"], sign=True),
                      _num(d["ratio_base"], ratio=True)]
             if cuda:
@@ -188,12 +220,12 @@ class Report:
         lines = []
         for row in self.rows:
             if row.error:
-                lines.append(f"{row.step}: {row.status}: {row.error}")
+                lines.append(f"{row.label}: {row.status}: {row.error}")
         ok = [r for r in self.rows if r.profile is not None]
         for row in ok[:1] + ok[-1:] if len(ok) > 1 else ok:
             top = ", ".join(f"{m or '(root)'} {b / MiB:.2f}" for m, b in row.profile.top_modules[:5])
             if top:
-                lines.append(f"largest contributors, {row.step} (MiB kept by each forward): {top}")
+                lines.append(f"largest contributors, {row.label} (MiB kept by each forward): {top}")
         lines += [f"note: {n}" for n in self.notes]
         return lines
 
@@ -250,7 +282,7 @@ class Report:
             probe = p.timeline_probe
             n = max(len(p.timeline) - 1, 1)
             xs = [i / n for i in range(len(p.timeline))]
-            ax.plot(xs, [e.bytes / MiB for e in p.timeline], label=row.step, lw=2 if row is self.rows[0] else 1.2)
+            ax.plot(xs, [e.bytes / MiB for e in p.timeline], label=row.label, lw=2 if row is self.rows[0] else 1.2)
             if row is self.rows[0]:
                 # The baseline's phase ends, so the eye can tell forward from backward.
                 for x, e in zip(xs, p.timeline):
@@ -300,7 +332,7 @@ def _num(x: float | None, sign: bool = False, ratio: bool = False) -> str:
 
 
 def _matched(row: Row) -> str:
-    if row.step == "baseline":
+    if row.role == "baseline":
         return ""
     names = [n or "(root)" for n in row.matched]
     text = ", ".join(names[:3]) + (f", … ({len(names)} modules)" if len(names) > 3 else "")

@@ -1,26 +1,16 @@
-"""Measuring: one instrumented training step (CUDA peaks per phase; saved-for-backward bytes on
-any device), a plan's baseline and steps side by side, and a per-module memory log.
+"""Measuring one configuration: an instrumented training iteration (CUDA peaks per phase;
+saved-for-backward bytes on any device) and a per-module memory log.
 
 Example::
 
     >>> import shrinkwrap as sw
-    >>> prof = sw.measure(model, batch)                      # one configuration -> Profile
-    >>> report = sw.Plan([sw.checkpoint("layer1")]).measure(make_model, batch)   # -> Report
+    >>> prof = sw.measure(model, batch)       # one configuration -> Profile
+    >>> sw.saved_tensor_bytes(model, x)       # bytes saved for backward, any device
 """
 
-from .compare import plan_report
 from .modules import Event, ModuleLog
 from .saved import SavedTensors, saved_tensor_bytes
-from .step import Phase, Profile, default_loss, measure
+from .step import Options, Phase, Profile, default_loss, measure
 
-__all__ = [
-    "Event",
-    "ModuleLog",
-    "Phase",
-    "Profile",
-    "SavedTensors",
-    "default_loss",
-    "measure",
-    "plan_report",
-    "saved_tensor_bytes",
-]
+__all__ = ["Event", "ModuleLog", "Options", "Phase", "Profile", "SavedTensors", "default_loss", "measure",
+           "saved_tensor_bytes"]

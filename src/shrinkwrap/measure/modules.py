@@ -1,4 +1,4 @@
-"""Memory at each module's forward start, forward end and backward end over one step (seed 001).
+"""Memory at each module's forward start, forward end and backward end over one training iteration.
 
 :class:`ModuleLog` hooks every named module and calls a probe at each event: on CUDA the probe is
 ``torch.cuda.memory_allocated``, without CUDA it is the bytes saved for backward still held by the
@@ -13,6 +13,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from .._wrapper import TransparentWrapper
+
 
 @dataclass(frozen=True)
 class Event:
@@ -98,13 +101,11 @@ class ModuleLog:
 def _units(model: nn.Module) -> set[str]:
     """Names that count as one contributor: leaves, and checkpointed regions as a whole (what is
     inside them is recomputed, not kept)."""
-    from ..transforms.checkpoint import CheckpointModule  # lazy: measure sits downstream of transforms
-
     units, regions = set(), []
     for name, module in model.named_modules():
         if not name or any(name.startswith(r + ".") for r in regions):
             continue
-        if isinstance(module, CheckpointModule):
+        if isinstance(module, TransparentWrapper) and module.recomputes:
             regions.append(name)
             units.add(name)
         elif not any(True for _ in module.children()):

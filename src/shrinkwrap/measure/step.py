@@ -1,16 +1,17 @@
-"""The one measuring harness: an instrumented training step, on CUDA or without it.
+"""The one measuring harness: an instrumented training iteration, on CUDA or without it.
 
-A step is ``zero_grad(set_to_none=True)``, forward, loss, backward, optimizer step. :func:`measure`
-runs, on the model in place (restored afterwards):
+An iteration (a training step; "step" in shrinkwrap means a plan step) is
+``zero_grad(set_to_none=True)``, forward, loss, backward, optimizer step. :func:`measure` runs, on
+the model in place (restored afterwards):
 
-1. the first step, recording allocated memory after each phase and the peak during it (CUDA);
-2. warm-up steps;
-3. gc, ``empty_cache``, ``reset_peak_memory_stats``, then one steady-state step recorded the same
-   way: its peak is the number a report shows, broken down into parameters, gradients, optimizer
-   state, the batch and activations/other;
-4. ``steps`` timed steps (synchronised on CUDA); the median is the step time;
-5. one step with the per-module log and the saved-for-backward count (and, on request, a CUDA
-   memory-history snapshot): these hooks cost time, so no timed step carries them.
+1. the first iteration, recording allocated memory after each phase and the peak during it (CUDA);
+2. warm-up iterations;
+3. gc, ``empty_cache``, ``reset_peak_memory_stats``, then one steady-state iteration recorded the
+   same way: its peak is the number a report shows, broken down into parameters, gradients,
+   optimizer state, the batch and activations/other;
+4. ``iterations`` timed iterations (synchronised on CUDA); the median is the step time;
+5. one iteration with the per-module log and the saved-for-backward count (and, on request, a
+   CUDA memory-history snapshot): these hooks cost time, so no timed iteration carries them.
 
 Without CUDA there is no allocator to read: the profile holds the bytes saved for backward,
 parameter/gradient/optimizer-state bytes and step time, and its CUDA fields are ``None``.
@@ -29,6 +30,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from .. import _rewrite
+from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from .modules import Event, ModuleLog
 from .saved import SavedTensors
@@ -123,32 +126,10 @@ class Profile:
 # -- batch, loss, optimizer ----------------------------------------------------------------
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        items = [_to(b, device) for b in batch]
-        return items if isinstance(batch, list) else tuple(items)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+def _bytes(ts: Iterable[torch.Tensor | None]) -> int:
     """Total size of the unique storages behind ``tensors`` (tied weights counted once)."""
     seen: dict[int, int] = {}
-    for t in tensors:
+    for t in ts:
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
@@ -207,25 +188,35 @@ def device_name(device: torch.device) -> str:
 
 def needs_grad_scaler(model: nn.Module) -> bool:
     """Whether a step applied to ``model`` asks for a GradScaler (float16 autocast sets
-    ``needs_grad_scaler``); read back from the model's records."""
-    from .._rewrite import records
-    from ..plan import Plan, PlanError
+    ``needs_grad_scaler``)."""
+    return any(getattr(r.step, "needs_grad_scaler", False) for r in _rewrite.records(model))
 
-    for rec in records(model):
-        try:
-            steps = Plan.parse(rec.step).steps
-        except PlanError:  # a step with a predicate pattern has no readable text; it is not precision
-            continue
-        if any(getattr(s, "needs_grad_scaler", False) for s in steps):
-            return True
-    return False
+
+@dataclass(frozen=True)
+class Options:
+    """How a configuration is measured: the loss (``output -> scalar``; by default
+    :func:`default_loss`), the optimizer factory (``params -> Optimizer``; AdamW by default),
+    ``iterations`` timed after ``warmup``, the device (CUDA when present by default) and whether
+    to use a GradScaler (by default when a float16 autocast step was applied)."""
+
+    loss_fn: LossFn | None = None
+    optimizer: OptimizerFactory | None = None
+    iterations: int = 5
+    warmup: int = 2
+    device: str | torch.device | None = None
+    grad_scaler: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1 or self.warmup < 1:
+            raise ValueError(f"shrinkwrap: iterations and warmup must be at least 1, "
+                             f"got iterations={self.iterations}, warmup={self.warmup}")
 
 
 # -- the harness -----------------------------------------------------------------------------
 
 
-class _Step:
-    """One training step, with a callback at the end of each phase."""
+class _Iteration:
+    """One training iteration, with a callback at the end of each phase."""
 
     def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn, opt: torch.optim.Optimizer,
                  scaler: Any) -> None:
@@ -258,7 +249,7 @@ def _clean(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _phases(step: _Step, device: torch.device) -> list[Phase]:
+def _phases(step: _Iteration, device: torch.device) -> list[Phase]:
     """Run ``step``, reading allocated and peak at each phase end (peak reset per phase)."""
     phases: list[Phase] = []
 
@@ -270,7 +261,7 @@ def _phases(step: _Step, device: torch.device) -> list[Phase]:
     return phases
 
 
-def _timed(step: _Step, device: torch.device, n: int) -> list[float]:
+def _timed(step: _Iteration, device: torch.device, n: int) -> list[float]:
     times = []
     for _ in range(n):
         if device.type == "cuda":
@@ -338,13 +329,13 @@ def measure(
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | None = None,
     *,
-    steps: int = 5,
+    iterations: int = 5,
     warmup: int = 2,
     device: str | torch.device | None = None,
     grad_scaler: bool | None = None,
     snapshot: str | None = None,
 ) -> Profile:
-    """Measure one training step of ``model`` on ``batch``; the model is left as it was.
+    """Measure one training iteration of ``model`` on ``batch``; the model is left as it was.
 
     Args:
         model: the model as it is (transformed or not). It is measured in place and restored:
@@ -355,11 +346,11 @@ def measure(
             ``output.logits``' mean.
         optimizer: ``params -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``;
             AdamW by default. A fresh one is made; its state is dropped afterwards.
-        steps: timed steady-state steps (the median is reported); ``warmup`` steps come first.
+        iterations: timed steady-state iterations (the median is reported); ``warmup`` come first.
         device: ``"cuda"``, ``"cpu"``...; CUDA when present by default.
         grad_scaler: use ``torch.amp.GradScaler``; by default when a float16 autocast step was
             applied to the model.
-        snapshot: on CUDA, write a ``torch.cuda.memory`` snapshot of one step to this path
+        snapshot: on CUDA, write a ``torch.cuda.memory`` snapshot of one iteration to this path
             (open it at https://pytorch.org/memory_viz).
 
     Example::
@@ -368,26 +359,27 @@ def measure(
         >>> prof.peak / 2**20, prof.breakdown()      # CUDA
         >>> prof.saved / 2**20, prof.step_ms           # any device
     """
+    options = Options(loss_fn, optimizer, iterations, warmup, device, grad_scaler)
+    return measure_with(model, batch, options, snapshot)
+
+
+def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None) -> Profile:
+    """:func:`measure` with the options in one object."""
     with restored(model):
-        return _measure(model, batch, loss_fn, optimizer, steps, warmup, device, grad_scaler, snapshot)
+        return _measure(model, batch, options, snapshot)
 
 
-def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: OptimizerFactory | None,
-             steps: int, warmup: int, device: str | torch.device | None, grad_scaler: bool | None,
-             snapshot: str | None) -> Profile:
-    device = resolve_device(device)
+def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | None) -> Profile:
+    device = resolve_device(options.device)
     if snapshot and device.type != "cuda":
         raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
-    if steps < 1 or warmup < 1:
-        raise ValueError(f"shrinkwrap: steps and warmup must be at least 1, got steps={steps}, warmup={warmup}")
     cuda = device.type == "cuda"
     model.to(device).train()
-    batch = _to(batch, device)
-    opt = (optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
-    if grad_scaler is None:
-        grad_scaler = needs_grad_scaler(model)
+    batch = tree_map(lambda t: t.to(device), batch)
+    opt = (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
+    grad_scaler = needs_grad_scaler(model) if options.grad_scaler is None else options.grad_scaler
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
-    step = _Step(model, batch, loss_fn or default_loss, opt, scaler)
+    step = _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler)
 
     _clean(device)
     first: list[Phase] = []
@@ -395,12 +387,12 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: Op
         first = _phases(step, device)
     else:
         step()
-    for _ in range(warmup - 1):
+    for _ in range(options.warmup - 1):
         step()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady = _phases(step, device) if cuda else []
-    times = _timed(step, device, steps)
+    times = _timed(step, device, options.iterations)
 
     saved = SavedTensors()
     probe = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: saved.live)
@@ -415,8 +407,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: Op
         saved=saved.bytes,
         parameters=_bytes([*model.parameters(), *model.buffers()]),
         gradients=_bytes(p.grad for p in model.parameters()),
-        optimizer_state=_bytes(t for s in opt.state.values() for t in _tensors(s)),
-        batch=_bytes(_tensors(batch)),
+        optimizer_state=_bytes(t for s in opt.state.values() for t in tensors(s)),
+        batch=_bytes(tensors(batch)),
         step_ms=statistics.median(times),
         step_times_ms=times,
         peak=max(p.peak for p in steady) if cuda else None,

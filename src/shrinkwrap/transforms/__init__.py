@@ -1,3 +1,12 @@
-"""The transforms, one file per family. Importing this package registers their plan steps."""
+"""The transforms, one file per family. Importing a family registers its plan steps; its
+``__all__`` is what the package exports. A new family is a file here and its name below."""
 
-from . import activations, checkpoint, precision  # noqa: F401  (registers the steps)
+import importlib
+
+FAMILIES = ("checkpoint", "activations", "precision")
+
+__all__: list[str] = []
+for _family in FAMILIES:
+    _module = importlib.import_module(f".{_family}", __name__)
+    globals().update({_name: getattr(_module, _name) for _name in _module.__all__})
+    __all__ += _module.__all__

@@ -1,4 +1,4 @@
-"""Activation transforms (issue 3): memory-efficient Swish, Mish and Hard-Swish, and BatchNorm +
+"""Activation transforms: memory-efficient Swish, Mish and Hard-Swish, and BatchNorm +
 activation recompute.
 
 ``swish`` finds Swish written by hand (``x * torch.sigmoid(x)``, which keeps two tensors for
@@ -15,6 +15,8 @@ normalisation and activation in backward: one activation-sized tensor fewer per 
 
 from __future__ import annotations
 
+__all__ = ['Swish', 'BnAct', 'MemoryEfficientSwish', 'FusedBatchNormAct', 'apply_swish', 'apply_bn_act']
+
 import dataclasses
 from typing import Any, Callable
 
@@ -25,8 +27,8 @@ import torch.nn.functional as F
 
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, unwrap
-from ..plan import Step
 from ..select import Pattern, SelectionError, select
+from ..step import Candidate, Context, Step, Targets
 
 aten = torch.ops.aten
 
@@ -200,24 +202,20 @@ def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device
 
 
 @dataclasses.dataclass(frozen=True)
-class _PatternStep(Step):
-    """What the activation steps share: an optional pattern, and a check that runs their search."""
+class _WholeModelStep(Step):
+    """What the activation steps share: an optional pattern (default: the whole model), and one
+    candidate for autoplan, the step itself, where it finds something to do."""
 
     pattern: Pattern | None = None
 
-    def __post_init__(self) -> None:
-        if isinstance(self.pattern, list):
-            object.__setattr__(self, "pattern", tuple(self.pattern))
-
-    def check(self, model: nn.Module) -> None:
-        self._targets(model)
-
-    def _targets(self, model: nn.Module) -> tuple:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        step = cls()
+        return [Candidate((step,))] if step.applies(model) else []
 
 
 @dataclasses.dataclass(frozen=True)
-class Swish(_PatternStep):
+class Swish(_WholeModelStep):
     """Step: replace hand-written Swish, Mish and Hard-Swish modules by memory-efficient ones.
 
     Args:
@@ -235,11 +233,12 @@ class Swish(_PatternStep):
     """
 
     name = "swish"
+    order = 20
 
     include_silu: bool = False
 
-    def _targets(self, model: nn.Module) -> tuple[dict[str, str], list[str], list[tuple[str, str]]]:
-        """``(to_replace: name -> kind, already_done, skipped)``; raises before any change."""
+    def targets(self, model: nn.Module) -> Targets:
+        """Matched: the modules to replace and those already replaced; payload: name -> kind."""
         explicit = self.pattern is not None
         names = select(model, self.pattern if explicit else (lambda m, n: True), allow_empty=not explicit)
         dtype, device = _probe_dtype_device(model)
@@ -277,20 +276,18 @@ class Swish(_PatternStep):
                 "stateless module computes x * sigmoid(x), x * tanh(softplus(x)) or x * relu6(x + 3) / 6. "
                 "Leave swish() out of the plan, or name the modules with pattern=..."
             )
-        return replace, done, skipped
+        return Targets([*done, *replace], skipped, replace)
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        replace, done, skipped = self._targets(model)
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        kinds = targets.payload
 
         def make(name: str, old: nn.Module) -> nn.Module:
-            new = _KINDS[replace[name]][1]()
+            new = _KINDS[kinds[name]][1]()
             new.train(old.training)
             object.__setattr__(new, _REPLACED, True)
             return new
 
-        undo = _rewrite.replace(model, list(replace), make)
-        _rewrite.record(model, _rewrite.Record(str(self), tuple([*done, *replace]), tuple(skipped), undo))
-        return model
+        return _rewrite.replace(model, list(kinds), make)
 
 
 def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_silu: bool = False) -> nn.Module:
@@ -453,7 +450,7 @@ def _is_timm_bn_act(module: nn.Module) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class BnAct(_PatternStep):
+class BnAct(_WholeModelStep):
     """Step: fuse each BatchNorm with the elementwise activation that directly follows it.
 
     Found where the pair is visible as modules: a BatchNorm followed by an activation in an
@@ -469,9 +466,11 @@ class BnAct(_PatternStep):
     """
 
     name = "bn_act"
+    order = 30
 
-    def _targets(self, model: nn.Module) -> tuple[dict[str, tuple], list[str], list[tuple[str, str]]]:
-        """``(fuse: bn name -> (act name or None, spec), already_done, skipped)``."""
+    def targets(self, model: nn.Module) -> Targets:
+        """Matched: the BatchNorms to fuse and those already fused; payload: bn name -> (act name
+        or None, spec)."""
         explicit = self.pattern is not None
         is_bn = lambda m, n: isinstance(m, nn.modules.batchnorm._BatchNorm)  # noqa: E731
         names = select(model, self.pattern if explicit else is_bn, allow_empty=not explicit)
@@ -521,15 +520,14 @@ class BnAct(_PatternStep):
                 f"shrinkwrap: bn_act() found no BatchNorm followed by an activation in "
                 f"{type(model).__name__} ({detail}). Leave bn_act() out of the plan."
             )
-        return fuse, done, skipped
+        return Targets([*done, *fuse], skipped, fuse)
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        fuse, done, skipped = self._targets(model)
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        fuse = targets.payload
         acts = {bn: model.get_submodule(a) if a else None for bn, (a, _) in fuse.items()}
         undo = _rewrite.replace(model, [a for a, _ in fuse.values() if a], lambda n, m: nn.Identity())
         undo += _rewrite.replace(model, list(fuse), lambda n, m: FusedBatchNormAct(m, acts[n], fuse[n][1]))
-        _rewrite.record(model, _rewrite.Record(str(self), tuple([*done, *fuse]), tuple(skipped), undo))
-        return model
+        return undo
 
 
 def apply_bn_act(model: nn.Module, pattern: Pattern | None = None) -> nn.Module:

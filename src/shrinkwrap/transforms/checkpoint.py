@@ -25,22 +25,23 @@ do not require grad still give gradients to the region's parameters (non-reentra
 
 from __future__ import annotations
 
+__all__ = ['Checkpoint', 'CheckpointModule', 'apply_checkpoint']
+
 import contextlib
-import copy
 import dataclasses
 import inspect
+import math
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
-from torch.utils.hooks import RemovableHandle
 
 from .. import _rewrite
+from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..plan import Step
 from ..select import Pattern, SelectionError
+from ..step import Candidate, Context, Step, Targets
 
 
 class _RestoreNormStats:
@@ -63,30 +64,8 @@ class _RestoreNormStats:
                 buf.copy_(value)
 
 
-def _clone_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    def c(x: Any) -> Any:
-        return x.clone() if isinstance(x, torch.Tensor) else x
-
-    return tuple(c(a) for a in args), {k: c(v) for k, v in kwargs.items()}
-
-
-def _containers(obj: Any) -> Any:
-    """``obj`` with every list and dict in it (nested in tuples too) copied; tensors and other
-    objects are the same objects."""
-    if isinstance(obj, (list, dict)):
-        new = copy.copy(obj)  # keeps a subclass's type (OrderedDict, ModelOutput)
-        for key, value in (enumerate(obj) if isinstance(obj, list) else obj.items()):
-            new[key] = _containers(value)
-        return new
-    if type(obj) is tuple:
-        return tuple(_containers(o) for o in obj)
-    return obj
-
-
-def _has_containers(obj: Any) -> bool:
-    if isinstance(obj, (list, dict)):
-        return True
-    return type(obj) is tuple and any(_has_containers(o) for o in obj)
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class _Run:
@@ -96,17 +75,17 @@ class _Run:
 
     def __init__(self, module: nn.Module, clone: bool, args: tuple, kwargs: dict) -> None:
         self.module, self.clone = module, clone
-        self.before = _containers((args, kwargs)) if _has_containers((args, kwargs)) else None
+        self.before = tree_map(_same, (args, kwargs))  # the containers copied, the tensors not
         self.calls = 0
 
     def __call__(self, kwargs: dict, *args: Any) -> Any:
         # kwargs travel as one positional dict so that a module kwarg named like one of
         # torch.utils.checkpoint's own options (debug, preserve_rng_state, ...) cannot collide.
-        if self.calls and self.before is not None:
-            args, kwargs = _containers(self.before)
+        if self.calls:
+            args, kwargs = tree_map(_same, self.before)
         self.calls += 1
         if self.clone:
-            args, kwargs = _clone_tensors(args, kwargs)
+            args, kwargs = tree_map(torch.clone, (args, kwargs))
         return self.module(*args, **kwargs)
 
 
@@ -126,6 +105,7 @@ class CheckpointModule(TransparentWrapper):
     """
 
     label = "Checkpoint"
+    recomputes = True
 
     def __init__(self, module: nn.Module, *, name: str = "", clone_inputs: bool = False) -> None:
         if isinstance(module, CheckpointModule):
@@ -141,7 +121,7 @@ class CheckpointModule(TransparentWrapper):
         inner = self.wrapped
         if not (self.training and torch.is_grad_enabled()):
             return inner(*args, **kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = list(tensors((args, kwargs)))
         versions = [t._version for t in inputs]
         out = _torch_checkpoint(
             _Run(inner, self._sw_clone_inputs, args, kwargs), kwargs, *args,
@@ -172,17 +152,7 @@ class _NoCacheInTraining:
         return args, {**kwargs, "use_cache": False}
 
 
-@dataclasses.dataclass
-class Hooked:
-    """Undo entry: a hook shrinkwrap put on a module."""
-
-    handle: RemovableHandle
-
-    def undo(self, model: nn.Module) -> None:
-        self.handle.remove()
-
-
-def _cache_hooks(model: nn.Module, regions: list[str]) -> tuple[list[Hooked], list[str]]:
+def _cache_hooks(model: nn.Module, regions: list[str]) -> tuple[list, list[str]]:
     """Hook the outermost modules taking ``use_cache`` (Hugging Face models) that hold or are one
     of ``regions``; return the undo entries and a note per module."""
     undo, notes, owners = [], [], []
@@ -196,7 +166,7 @@ def _cache_hooks(model: nn.Module, regions: list[str]) -> tuple[list[Hooked], li
         if any(isinstance(h, _NoCacheInTraining) for h in module._forward_pre_hooks.values()):
             continue  # an earlier checkpoint step hooked it
         hook = _NoCacheInTraining(params.index("use_cache") - 1)
-        undo.append(Hooked(module.register_forward_pre_hook(hook, with_kwargs=True)))
+        undo.append(_rewrite.Hooked(module.register_forward_pre_hook(hook, with_kwargs=True)))
         notes.append(f"{name or type(model).__name__} runs with use_cache=False in training: "
                      "the recompute would write its KV cache a second time")
     return undo, notes
@@ -220,15 +190,12 @@ class Checkpoint(Step):
     """
 
     name = "checkpoint"
+    order = 10
 
     pattern: Pattern
     clone_inputs: bool = False
 
-    def __post_init__(self) -> None:
-        if isinstance(self.pattern, list):
-            object.__setattr__(self, "pattern", tuple(self.pattern))
-
-    def _targets(self, model: nn.Module) -> tuple[list[str], list[tuple[str, str]]]:
+    def targets(self, model: nn.Module) -> Targets:
         wrap, skipped = _rewrite.wrap_targets(model, self.pattern, CheckpointModule, "checkpoint", "checkpointed")
         for name in wrap:
             first = _first_leaf(model.get_submodule(name))
@@ -238,20 +205,66 @@ class Checkpoint(Step):
                     f"{type(first).__name__}, which modifies the region's input that the "
                     "recompute needs. Checkpoint a region that starts after it, or pass clone_inputs=True."
                 )
-        return wrap, skipped
+        return Targets(wrap, skipped)
 
-    def check(self, model: nn.Module) -> None:
-        self._targets(model)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        wrap, skipped = self._targets(model)
-        undo = _rewrite.unwrap_inside(model, wrap, CheckpointModule)
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        undo = _rewrite.unwrap_inside(model, targets.matched, CheckpointModule)
         undo += _rewrite.replace(
-            model, wrap, lambda n, m: CheckpointModule(m, name=n, clone_inputs=self.clone_inputs)
+            model, targets.matched, lambda n, m: CheckpointModule(m, name=n, clone_inputs=self.clone_inputs)
         )
-        hooks, notes = _cache_hooks(model, wrap)
-        _rewrite.record(model, _rewrite.Record(str(self), tuple(wrap), tuple(skipped), undo + hooks, tuple(notes)))
-        return model
+        hooks, notes = _cache_hooks(model, targets.matched)
+        targets.notes += notes
+        return undo + hooks
+
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        """Every stage of two or more same-type blocks (where it has a forward) and groups of its
+        consecutive blocks; an inner stage (an EfficientNet stage inside ``features``) gives the
+        whole stage, or its blocks in two groups where it has no forward."""
+        out: list[Candidate] = []
+        for container, blocks, nested in block_groups(model):
+            stage = bool(container) and isinstance(model.get_submodule(container), nn.Sequential)
+            regions = [[container]] if stage else []
+            if not (nested and stage):
+                regions += _chunks(blocks, 2 if nested else context.max_groups)
+            for names in regions:
+                step = cls(tuple(names))
+                if all(tuple(names) != c.covers for c in out) and step.applies(model):
+                    out.append(Candidate((step,), tuple(names)))
+        return out
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
+    """``(container, [block names], nested)`` for every Sequential/ModuleList holding two or more
+    blocks of one type (modules with children and parameters). Groups inside a block that is not
+    itself a plain container (inside a residual block or a transformer layer) are left out: their
+    parts are too small to be worth a measurement. ``nested``: the group lies inside another
+    group's block (an EfficientNet stage inside ``features``)."""
+    out: list[tuple[str, list[str], bool]] = []
+    real_blocks: list[str] = []
+    for name, c in model.named_modules():
+        if not isinstance(c, (nn.Sequential, nn.ModuleList)):
+            continue
+        if any(name.startswith(b + ".") for b in real_blocks):
+            continue
+        kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
+        types = [type(m) for _, m in kids]
+        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and _has_params(m) and any(True for _ in m.children())]
+        if len(blocks) < 2:
+            continue
+        nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
+        out.append((name, [n for n, _ in blocks], nested))
+        real_blocks += [n for n, m in blocks if not isinstance(m, (nn.Sequential, nn.ModuleList))]
+    return out
+
+
+def _chunks(items: list[str], n: int) -> list[list[str]]:
+    size = math.ceil(len(items) / n)
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool = False) -> nn.Module:

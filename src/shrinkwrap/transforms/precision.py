@@ -11,7 +11,7 @@ autocast to 2e-2 (``torch.linalg.norm(out - ref) / torch.linalg.norm(ref)``).
   roughly halves activation memory. Parameters stay float32. Floating outputs in ``dtype`` are cast
   back to float32 unless ``keep_output_dtype=True``.
 - :class:`Half` (``half(dtype, keep=...)``) casts parameters and buffers to ``dtype`` in place
-  (the seed's "brute force" ``model.half()``), except the modules ``keep`` selects (normalisation
+  (the "brute force" ``model.half()``), except the modules ``keep`` selects (normalisation
   layers by default), which stay float32 behind a ``KeepFloat`` wrapper.
 
 ``autocast(d)`` and ``half(d)`` of the same dtype compose: parameters are stored in ``d``, and
@@ -24,6 +24,8 @@ the measuring harness uses ``torch.amp.GradScaler`` when a step of the plan says
 
 from __future__ import annotations
 
+__all__ = ['Autocast', 'Half', 'AutocastModule', 'KeepFloatModule', 'apply_autocast', 'apply_half']
+
 import copy
 import dataclasses
 import itertools
@@ -35,50 +37,17 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import _rewrite
+from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
-from ..plan import Plan, PlanError, Step
 from ..select import Pattern, select
+from ..step import Candidate, Context, Step, Targets, applied_steps
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-# -- tensors inside nested inputs and outputs ---------------------------------------------------
 def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every floating tensor in it, through tuples, lists, dicts
-    and dataclasses (Hugging Face ``ModelOutput`` is both a dict and a dataclass)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        items = [_map_floats(o, fn) for o in obj]
-        return type(obj)._make(items) if hasattr(type(obj), "_make") else type(obj)(items)
-    if isinstance(obj, dict):
-        items = {key: _map_floats(value, fn) for key, value in obj.items()}
-        if type(obj) is dict:  # the common case, and one torch.compile traces without a break
-            return items
-        new = copy.copy(obj)  # keeps the dict's own type and attributes (ModelOutput, OrderedDict)
-        for key, value in items.items():
-            new[key] = value
-        return new
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map_floats(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    return obj
-
-
-def _floats(obj: Any) -> Iterator[torch.Tensor]:
-    """The floating tensors in ``obj``, in order, through the structures :func:`_map_floats` knows."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _floats(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _floats(o)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _floats(getattr(obj, f.name))
+    """``obj`` with ``fn`` applied to every floating tensor in it."""
+    return tree_map(lambda t: fn(t) if t.is_floating_point() else t, obj)
 
 
 def _device(module: nn.Module) -> torch.device:
@@ -96,7 +65,7 @@ def _region(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) ->
     """The autocast context for one call, on the device of the first floating input (of the
     module's parameters when there is none: token ids); None where an enclosing region, the
     user's or shrinkwrap's, already runs ``dtype`` there: no second region, no output cast."""
-    first = next(_floats((args, kwargs)), None)
+    first = next((t for t in tensors((args, kwargs)) if t.is_floating_point()), None)
     device = first.device.type if first is not None else _device(module).type
     if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
         return None
@@ -224,18 +193,8 @@ def _undo_entries(model: nn.Module) -> Iterator[Any]:
         yield from rec.undo
 
 
-def _applied_steps(model: nn.Module) -> list[Step]:
-    steps: list[Step] = []
-    for rec in _rewrite.records(model):
-        try:
-            steps += Plan.parse(rec.step).steps
-        except PlanError:  # a step with a predicate pattern prints as <name> and cannot be read back
-            pass
-    return steps
-
-
 def _refuse_conflicts(step: Step, model: nn.Module) -> None:
-    for done in _applied_steps(model):
+    for done in applied_steps(model):
         why = step.conflict(done) or done.conflict(step)
         if why:
             raise ValueError(
@@ -303,15 +262,15 @@ class Autocast(Step):
 
     name = "autocast"
     lossy = True
+    order = 40
 
     dtype: torch.dtype
     pattern: Pattern | None = None
     keep_output_dtype: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_dtype(self, self.dtype)
-        if isinstance(self.pattern, list):
-            object.__setattr__(self, "pattern", tuple(self.pattern))
 
     @property
     def needs_grad_scaler(self) -> bool:
@@ -321,22 +280,18 @@ class Autocast(Step):
     def conflict(self, other: Step) -> str | None:
         return _other_dtype(self.dtype, other)
 
-    def _targets(self, model: nn.Module) -> tuple[list[str], list[tuple[str, str]]]:
+    def targets(self, model: nn.Module) -> Targets:
         """The names to wrap ("" for the root) and the names passed over, with why."""
+        _check_model(self, model, self.dtype, autocast=True)
         at_root = any(isinstance(e, RootHooks) and e.kind == "Autocast" for e in _undo_entries(model))
         if self.pattern is None:
-            return ([], [("", "already autocast")]) if at_root else ([""], [])
+            return Targets([], [("", "already autocast")]) if at_root else Targets([""])
         if at_root:
-            return [], [(name, "inside the autocast root") for name in select(model, self.pattern, outermost=True)]
-        return _rewrite.wrap_targets(model, self.pattern, AutocastModule, "autocast", "autocast")
+            return Targets([], [(name, "inside the autocast root") for name in select(model, self.pattern, outermost=True)])
+        return Targets(*_rewrite.wrap_targets(model, self.pattern, AutocastModule, "autocast", "autocast"))
 
-    def check(self, model: nn.Module) -> None:
-        _check_model(self, model, self.dtype, autocast=True)
-        self._targets(model)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        self.check(model)
-        wrap, skipped = self._targets(model)
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        wrap = targets.matched
         # Never a region inside a region: a new one absorbs those inside it (the root: all).
         undo: list[Any] = _rewrite.unwrap_inside(model, wrap, AutocastModule)
         if wrap == [""]:
@@ -348,8 +303,15 @@ class Autocast(Step):
                 model, wrap,
                 lambda n, m: AutocastModule(m, self.dtype, keep_output_dtype=self.keep_output_dtype),
             )
-        _rewrite.record(model, _rewrite.Record(str(self), tuple(wrap), tuple(skipped), undo))
-        return model
+        return undo
+
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        """bfloat16 autocast of the whole model, when lossy steps are allowed and the device runs it."""
+        cuda = context.device.type == "cuda"
+        if not context.allow_lossy or (cuda and not torch.cuda.is_bf16_supported()):
+            return []
+        return [Candidate((cls(torch.bfloat16),))]
 
 
 def apply_autocast(
@@ -467,28 +429,27 @@ class Half(Step):
     keep: Pattern | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_dtype(self, self.dtype)
-        if isinstance(self.keep, list):
-            object.__setattr__(self, "keep", tuple(self.keep))
 
     def conflict(self, other: Step) -> str | None:
         if isinstance(other, Half) and other != self:
             return "a model is cast to a half dtype once; keep one half step"
         return _other_dtype(self.dtype, other)
 
-    def _kept(self, model: nn.Module) -> list[str]:
-        pattern = is_norm if self.keep is None else self.keep
-        return select(model, pattern, outermost=True, allow_empty=not self.keep)
-
-    def check(self, model: nn.Module) -> None:
+    def targets(self, model: nn.Module) -> Targets:
+        """The modules kept in their dtype; nothing if the model is already cast."""
         _check_model(self, model, self.dtype, autocast=False)
-        self._kept(model)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        self.check(model)
+        pattern = is_norm if self.keep is None else self.keep
+        kept = select(model, pattern, outermost=True, allow_empty=not self.keep)
         if any(isinstance(e, Recast) for e in _undo_entries(model)):
-            return model  # already cast (to this dtype: check refused any other)
-        kept = self._kept(model)
+            return Targets()  # already cast (to this dtype: any other is a conflict)
+        return Targets(kept, payload=kept)
+
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        kept = targets.payload
+        if kept is None:
+            return []  # already cast
         stay = {
             id(t) for name in kept
             for t in itertools.chain(model.get_submodule(name).parameters(), model.get_submodule(name).buffers())
@@ -502,8 +463,7 @@ class Half(Step):
         undo: list[Any] = [before]
         undo += _rewrite.replace(model, kept, lambda n, m: KeepFloatModule(m, self.dtype))
         undo.append(_hook_root(model, "Half", _CastInputs(self.dtype)))
-        _rewrite.record(model, _rewrite.Record(str(self), tuple(kept), (), undo))
-        return model
+        return undo
 
 
 def apply_half(model: nn.Module, dtype: torch.dtype = torch.float16, *, keep: Pattern | None = None) -> nn.Module:

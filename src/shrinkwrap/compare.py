@@ -2,8 +2,9 @@
 
 :func:`measure_plans` measures a list of plans, one row each: every row is a fresh model (from
 the factory, or a copy of the given instance) with its plan applied, measured by the one harness
-(:func:`shrinkwrap.measure.step.measure`). :func:`plan_report` (``Plan.measure``) is the baseline
-and then the plan's steps applied one after another; autoplan measures its candidates. On
+(:func:`shrinkwrap.measure.step.measure`). :func:`plan_report` is the baseline and then the plan's
+steps applied one after another; autoplan measures its candidates. This module sits above
+``report`` (it builds reports) and below ``autoplan``. On
 CUDA each row runs in a fresh subprocess (``spawn``), so allocator caches and cuDNN workspaces of
 one row cannot leak into the next; where the row cannot be sent to a subprocess (a lambda in the
 plan, an unpicklable factory) it runs in this process after ``empty_cache`` and a reset of the peak
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import io
 import multiprocessing
 import pickle
@@ -22,10 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .. import _rewrite
-from ..plan import Plan, PlanLike, as_plan
-from ..report import Report, Row
-from .step import LossFn, OptimizerFactory, Profile, _clean, _tensors, _to, device_name, measure, resolve_device
+from . import _rewrite
+from ._tree import tensors, tree_map
+from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, resolve_device
+from .plan import Plan, PlanLike, as_plan
+from .report import Report, Row
 
 Progress = Callable[[int, int, str], None]
 
@@ -74,21 +77,22 @@ def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> n
 
 def _last_record(model: nn.Module, plan: Plan) -> tuple[tuple, tuple]:
     """What the plan's last step matched and skipped on ``model``."""
-    last = str(plan.steps[-1]) if plan.steps else None
+    last = plan.steps[-1] if plan.steps else None
     rec = next((r for r in reversed(_rewrite.records(model)) if r.step == last), None)
     return (rec.matched, rec.skipped) if rec else ((), ())
 
 
-def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: dict) -> tuple[Profile | str, tuple, tuple]:
+def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
+         snapshot: str | None) -> tuple[Profile | str, tuple, tuple]:
     """Measure one row: (profile, matched, skipped). Out of memory comes back as the message, in
     place of the profile, so the report goes on."""
-    device = torch.device(options["device"])
+    device = torch.device(options.device)
     matched: tuple = ()
     skipped: tuple = ()
     try:
         model = _build(make, device, plan)
         matched, skipped = _last_record(model, plan)
-        return measure(model, batch, **options), matched, skipped
+        return measure_with(model, batch, options, snapshot), matched, skipped
     except torch.cuda.OutOfMemoryError as exc:
         # "CUDA out of memory. Tried to allocate 2.00 GiB"; the allocator's advice that follows is long.
         return ". ".join(str(exc).split(". ")[:2]).strip() or "out of memory", matched, skipped
@@ -109,43 +113,36 @@ def describe_batch(batch: Any) -> str:
 
     if isinstance(batch, dict):
         return ", ".join(f"{k} {one(v)}" for k, v in batch.items() if isinstance(v, torch.Tensor))
-    return ", ".join(one(t) for t in _tensors(batch))
+    return ", ".join(one(t) for t in tensors(batch))
 
 
 def measure_plans(
     make: Callable[[], nn.Module],
     plans: Sequence[Plan],
     batch: Any,
-    loss_fn: LossFn | None = None,
-    optimizer: OptimizerFactory | None = None,
+    options: Options = Options(),
     *,
-    steps: int = 5,
-    warmup: int = 2,
-    device: str | torch.device | None = None,
     isolate: bool | None = None,
     snapshot: str | None = None,
     progress: Progress | None = None,
-    labels: Sequence[str] | None = None,
     name: str | None = None,
 ) -> Report:
     """Measure each plan on a fresh model from ``make`` (see :func:`model_maker`), each in isolation;
-    one row per plan, in order. A row's ``matched``/``skipped`` are its plan's last step's.
-
-    Options as :func:`plan_report`; ``labels`` names the rows (default: the plan's text, or
-    ``baseline`` for the empty plan).
+    one row per plan, in order (role ``baseline`` for the empty plan, else ``candidate``). A row's
+    ``matched``/``skipped`` are its plan's last step's. Keywords as :func:`plan_report`.
 
     Example::
 
         >>> report = measure_plans(model_maker(model), [Plan(), Plan([sw.swish()])], batch)
     """
-    device = resolve_device(device)
+    device = resolve_device(options.device)
+    options = dataclasses.replace(options, device=str(device))
     if snapshot and device.type != "cuda":
         raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
-    labels = list(labels) if labels is not None else [str(p) or "baseline" for p in plans]
     notes: list[str] = []
     isolate = device.type == "cuda" if isolate is None else isolate
-    batch = _to(batch, torch.device("cpu")) if isolate else batch  # CUDA tensors would be shared, not copied
-    options = dict(loss_fn=loss_fn, optimizer=optimizer, steps=steps, warmup=warmup, device=str(device))
+    # CUDA tensors would be shared with a subprocess, not copied.
+    batch = tree_map(lambda t: t.to("cpu"), batch) if isolate else batch
     if isolate:
         try:
             pickle.dumps((make, plans, batch, options))
@@ -159,23 +156,25 @@ def measure_plans(
             notes.append("your model's own weights stay on the GPU and are counted in every row")
 
     rows = []
-    for i, (label, plan) in enumerate(zip(labels, plans)):
+    for i, plan in enumerate(plans):
+        role = "candidate" if plan.steps else "baseline"
         if progress:
-            progress(i, len(plans), label)
-        args = (make, plan, batch, {**options, "snapshot": _numbered(snapshot, i) if snapshot else None})
+            progress(i, len(plans), str(plan) or "baseline")
+        args = (make, plan, batch, options, _numbered(snapshot, i) if snapshot else None)
         if isolate:
             try:
                 result, matched, skipped = _in_subprocess(args)
             except concurrent.futures.process.BrokenProcessPool as exc:
                 isolate = False
-                notes.append(f"a subprocess failed ({exc}); rows from {label!r} on measured in this process")
+                notes.append(f"a subprocess failed ({exc}); rows from {str(plan) or 'baseline'!r} on "
+                             "measured in this process")
                 result, matched, skipped = _row(*args)
         else:
             result, matched, skipped = _row(*args)
         if isinstance(result, str):
-            rows.append(Row(label, str(plan), None, matched, skipped, status="oom", error=result))
+            rows.append(Row(plan, None, matched, skipped, status="oom", error=result, role=role))
         else:
-            rows.append(Row(label, str(plan), result, matched, skipped))
+            rows.append(Row(plan, result, matched, skipped, role=role))
     if progress:
         progress(len(plans), len(plans), "done")
     return Report(
@@ -196,7 +195,14 @@ def plan_report(
     batch: Any,
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | None = None,
-    **options: Any,
+    *,
+    iterations: int = 5,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    isolate: bool | None = None,
+    snapshot: str | None = None,
+    progress: Progress | None = None,
+    name: str | None = None,
 ) -> Report:
     """Measure the baseline and the plan's steps applied one after another; one row each.
 
@@ -204,13 +210,12 @@ def plan_report(
         plan: a :class:`~shrinkwrap.Plan`, a list of steps, or the plan's text.
         model_or_factory: a function returning a fresh model (best: each row gets its own), or a
             model instance, which is copied per row and never changed.
-        batch, loss_fn, optimizer: as :func:`shrinkwrap.measure`.
-        steps, warmup, device: keywords, as :func:`shrinkwrap.measure`.
+        batch, loss_fn, optimizer, iterations, warmup, device: as :func:`shrinkwrap.measure`.
         isolate: run each row in a fresh subprocess; by default on CUDA. Needs the factory, plan,
             batch and loss_fn picklable (module-level functions), and a script that starts under
             ``if __name__ == "__main__":``; otherwise rows run in this process, with a note.
         snapshot: on CUDA, write one memory snapshot per row, named ``<stem>.<row><suffix>``.
-        progress: called as ``progress(row_index, row_count, step_text)`` before each row.
+        progress: called as ``progress(row_index, row_count, text)`` before each row.
         name: what the report calls the model (the factory's or class's name by default).
 
     The whole plan is applied once to a fresh model before any row is measured, so a step that
@@ -220,18 +225,22 @@ def plan_report(
     Example::
 
         >>> plan = sw.Plan([sw.checkpoint(r"layer[1-4]"), sw.autocast(torch.bfloat16)])
-        >>> report = plan.measure(torchvision.models.resnet18, torch.randn(128, 3, 224, 224))
+        >>> report = sw.plan_report(plan, torchvision.models.resnet18, torch.randn(128, 3, 224, 224))
         >>> print(report); report.save("report.json")
     """
     plan = as_plan(plan)
     make = model_maker(model_or_factory)
+    options = Options(loss_fn, optimizer, iterations, warmup, device)
     if plan.steps:
-        device = resolve_device(options.get("device"))
-        _build(make, device, plan)  # raises here, before minutes of measuring, if a step cannot apply
-        _clean(device)
+        dev = resolve_device(device)
+        _build(make, dev, plan)  # raises here, before minutes of measuring, if a step cannot apply
+        _clean(dev)
     prefixes = [Plan(plan.steps[:i]) for i in range(len(plan) + 1)]
-    labels = ["baseline"] + [str(s) for s in plan.steps]
-    return measure_plans(make, prefixes, batch, loss_fn, optimizer, labels=labels, **options)
+    report = measure_plans(make, prefixes, batch, options, isolate=isolate, snapshot=snapshot,
+                           progress=progress, name=name)
+    for row in report.rows[1:]:
+        row.role = "step"
+    return report
 
 
 def _numbered(path: str, i: int) -> str:

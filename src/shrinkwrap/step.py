@@ -1,0 +1,190 @@
+"""The template every transform's plan step follows, and the registry that names the steps.
+
+A step is a small frozen dataclass. It says which modules it targets (:meth:`Step.targets`,
+which raises before anything changes) and how to rewrite them (:meth:`Step.rewrite`, which
+returns the undo entries); :meth:`Step.apply` — written once, here — checks, rewrites and
+records. A step also says how autoplan may use it: :meth:`Step.candidates` (what to try on a
+model), ``lossy`` (changes the numbers) and ``order`` (where it sits in a plan autoplan builds).
+
+Defining a subclass with a ``name`` registers it: ``Plan.parse`` reads it, autoplan asks it for
+candidates. A new transform is one file under ``transforms/`` plus its export line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from . import _rewrite
+
+_STEPS: dict[str, type["Step"]] = {}
+
+
+@dataclasses.dataclass
+class Targets:
+    """What a step will do to a model, found before anything changes.
+
+    ``matched``: the names it acts on (and those it already acted on); ``skipped``: names passed
+    over, with the reason; ``payload``: whatever else its :meth:`Step.rewrite` needs (a kind per
+    name, say); ``notes``: anything else a user should read in the record.
+    """
+
+    matched: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    payload: Any = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One thing autoplan may add: ``steps``, the modules they cover (two candidates that share a
+    module exclude each other), and ``lossy`` (changes the numbers)."""
+
+    steps: tuple["Step", ...]
+    covers: tuple[str, ...] = ()
+
+    @property
+    def lossy(self) -> bool:
+        return any(s.lossy for s in self.steps)
+
+    def __str__(self) -> str:
+        return ", ".join(str(s) for s in self.steps)
+
+    def overlaps(self, other: "Candidate") -> bool:
+        return any(_inside(a, b) or _inside(b, a) for a in self.covers for b in other.covers)
+
+
+def _inside(name: str, region: str) -> bool:
+    """Whether the module ``name`` is ``region`` or lies inside it (``""``, the root, holds all)."""
+    return not region or name == region or name.startswith(region + ".")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What autoplan tells a step when it asks for candidates."""
+
+    allow_lossy: bool = False
+    device: torch.device = torch.device("cpu")
+    max_groups: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Base class of plan steps. Subclasses are frozen dataclasses that set ``name`` and
+    implement :meth:`targets` and :meth:`rewrite`.
+
+    Class attributes: ``lossy`` marks steps that change the numbers (precision); ``order`` is
+    where autoplan puts the step in a plan (lower first).
+
+    Example (a complete step)::
+
+        @dataclasses.dataclass(frozen=True)
+        class Tanhify(Step):
+            name = "tanhify"
+            def targets(self, model):
+                return Targets(select(model, nn.Sigmoid))
+            def rewrite(self, model, targets):
+                return _rewrite.replace(model, targets.matched, lambda n, m: nn.Tanh())
+    """
+
+    name: ClassVar[str] = ""
+    lossy: ClassVar[bool] = False
+    order: ClassVar[int] = 50
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("name"):
+            _STEPS[cls.name] = cls
+
+    def __post_init__(self) -> None:
+        # A list pattern becomes a tuple: steps are frozen and hashable.
+        for f in dataclasses.fields(self):
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+
+    # -- what a step implements ----------------------------------------------------------------
+    def targets(self, model: nn.Module) -> Targets:  # pragma: no cover - abstract
+        """What this step would do to ``model``; raise, naming the module and the fix, if it cannot."""
+        raise NotImplementedError
+
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:  # pragma: no cover - abstract
+        """Change ``model`` as ``targets`` says; return the undo entries."""
+        raise NotImplementedError
+
+    def conflict(self, other: "Step") -> str | None:
+        """Why this step cannot share a plan with ``other`` (None if it can)."""
+        return None
+
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        """What autoplan may try of this step on ``model`` (nothing by default)."""
+        return []
+
+    # -- the template ----------------------------------------------------------------------------
+    def check(self, model: nn.Module) -> None:
+        """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
+        self.targets(model)
+
+    def applies(self, model: nn.Module) -> bool:
+        """Whether the step has something to do on ``model`` (its check passes)."""
+        try:
+            self.check(model)
+        except (ValueError, TypeError):  # SelectionError is a ValueError: nothing to do, or unsafe
+            return False
+        return True
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Check, rewrite and record; return ``model``. A step that finds nothing at all (nothing
+        to act on, nothing passed over) and changes nothing leaves no record."""
+        targets = self.targets(model)
+        undo = self.rewrite(model, targets)
+        if undo or targets.matched or targets.skipped or targets.notes:
+            _rewrite.record(model, _rewrite.Record(
+                self, tuple(targets.matched), tuple(targets.skipped), undo, tuple(targets.notes)))
+        return model
+
+    def __str__(self) -> str:
+        fields = dataclasses.fields(self)
+        parts = []
+        for i, f in enumerate(fields):
+            value = getattr(self, f.name)
+            if i == 0 and f.default is dataclasses.MISSING:
+                parts.append(literal(value))
+            elif value != f.default:
+                parts.append(f"{f.name}={literal(value)}")
+        return f"{self.name}({', '.join(parts)})"
+
+
+def registered() -> list[type[Step]]:
+    """The registered step classes, in the order autoplan puts them in a plan."""
+    return sorted(_STEPS.values(), key=lambda cls: cls.order)
+
+
+def step_class(name: str) -> type[Step] | None:
+    return _STEPS.get(name)
+
+
+def applied_steps(model: nn.Module) -> list[Step]:
+    """The steps applied to ``model``, oldest first (those whose object survived pickling)."""
+    return [r.step for r in _rewrite.records(model) if isinstance(r.step, Step)]
+
+
+def literal(value: Any) -> str:
+    """A value as plan text writes it: regexes raw, dtypes and types dotted, predicates as <name>."""
+    if isinstance(value, str) and "\\" in value and not value.endswith("\\") and not set("'\n\r") & set(value):
+        return f"r'{value}'"  # regexes read as users write them: r'layer\d\.\d+'
+    if isinstance(value, torch.dtype):
+        return str(value)  # 'torch.bfloat16'
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple):
+        inner = ", ".join(literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(literal(v) for v in value) + "]"
+    if callable(value):
+        return f"<{getattr(value, '__qualname__', type(value).__name__)}>"
+    return repr(value)
