@@ -256,7 +256,7 @@ def autoplan(
         raise ValueError(f"shrinkwrap: maximize is 'speed' or 'batch', got {maximize!r}")
     if maximize == "batch" and budget is None:
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
-    make = model_maker(model_or_factory)
+    make = model_maker(model_or_factory, "autoplan()")
     options = dict(loss_fn=loss_fn, optimizer=optimizer, steps=steps, warmup=warmup, device=device)
     cache = {} if cache is None else cache
 

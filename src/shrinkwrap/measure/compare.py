@@ -25,6 +25,7 @@ import torch.nn as nn
 from .. import _rewrite
 from ..plan import Plan, PlanLike, as_plan
 from ..report import Report, Row
+from ..select import wrong
 from .step import LossFn, OptimizerFactory, Profile, _clean, _tensors, _to, device_name, measure, resolve_device
 
 Progress = Callable[[int, int, str], None]
@@ -54,15 +55,14 @@ class _Copies:
         self.__name__ = state["name"]
 
 
-def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """A function returning a fresh model each call: the factory itself, or copies of an instance."""
+def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module], where: str) -> Callable[[], nn.Module]:
+    """A function returning a fresh model each call: the factory itself, or copies of an instance;
+    ``where`` names the public function for the message if it is neither."""
     if isinstance(model_or_factory, nn.Module):
         return _Copies(model_or_factory)
     if callable(model_or_factory):
         return model_or_factory
-    raise TypeError(
-        f"shrinkwrap: expected a model or a function returning one, got {type(model_or_factory).__name__}"
-    )
+    raise TypeError(wrong(where, "a model or a function returning one", model_or_factory))
 
 
 def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
@@ -136,7 +136,7 @@ def measure_plans(
 
     Example::
 
-        >>> report = measure_plans(model_maker(model), [Plan(), Plan([sw.swish()])], batch)
+        >>> report = measure_plans(model_maker(model, "measure_plans()"), [Plan(), Plan([sw.swish()])], batch)
     """
     device = resolve_device(device)
     if snapshot and device.type != "cuda":
@@ -223,8 +223,8 @@ def plan_report(
         >>> report = plan.measure(torchvision.models.resnet18, torch.randn(128, 3, 224, 224))
         >>> print(report); report.save("report.json")
     """
-    plan = as_plan(plan)
-    make = model_maker(model_or_factory)
+    plan = as_plan(plan, "plan_report()")
+    make = model_maker(model_or_factory, "plan_report()")
     if plan.steps:
         device = resolve_device(options.get("device"))
         _build(make, device, plan)  # raises here, before minutes of measuring, if a step cannot apply

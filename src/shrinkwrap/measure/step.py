@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from .._wrapper import TransparentWrapper
+from ..select import require_module
 from .modules import Event, ModuleLog
 from .saved import SavedTensors
 
@@ -368,7 +369,7 @@ def measure(
         >>> prof.peak / 2**20, prof.breakdown()      # CUDA
         >>> prof.saved / 2**20, prof.step_ms           # any device
     """
-    with restored(model):
+    with restored(require_module(model, "measure()")):
         return _measure(model, batch, loss_fn, optimizer, steps, warmup, device, grad_scaler, snapshot)
 
 

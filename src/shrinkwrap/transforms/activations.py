@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, unwrap
 from ..plan import Step
-from ..select import Pattern, SelectionError, select
+from ..select import Pattern, SelectionError, require_module, select
 
 aten = torch.ops.aten
 
@@ -305,7 +305,7 @@ def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_sil
         >>> apply_swish(efficientnet)               # every x * sigmoid(x) module
         >>> sw.records(efficientnet)[-1].skipped    # what looked like Swish but was left alone
     """
-    return Swish(pattern, include_silu=include_silu).apply(model)
+    return Swish(pattern, include_silu=include_silu).apply(require_module(model, "apply_swish()"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,4 +537,4 @@ def apply_bn_act(model: nn.Module, pattern: Pattern | None = None) -> nn.Module:
 
         >>> apply_bn_act(torchvision.models.efficientnet_b0())
     """
-    return BnAct(pattern).apply(model)
+    return BnAct(pattern).apply(require_module(model, "apply_bn_act()"))
