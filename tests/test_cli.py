@@ -22,6 +22,15 @@ def small_model() -> nn.Module:
                          nn.Linear(32, 4))
 
 
+def factory_that_raises() -> nn.Module:
+    """A factory for `profile test_cli:factory_that_raises`: the user's model code fails."""
+    raise RuntimeError("no weights on this machine")
+
+
+def factory_of_text() -> str:
+    return "a model, I promise"
+
+
 def error_line(stderr: str) -> str:
     """The command's error line: the last line of stderr. Lines before it are not the command's:
     torch warns on import where numpy is missing ("UserWarning: Failed to initialize NumPy")."""
@@ -74,6 +83,25 @@ def test_profile_reads_the_input_shape_a_factory_declares(capsys):
 ])
 def test_bad_input_gets_one_clear_line(capsys, argv, expected):
     one_error_line(capsys, argv, expected)
+
+
+@pytest.mark.parametrize("command", [["profile", "--plan", "swish()"], ["profile"], ["fit", "--budget", "0.5"]])
+@pytest.mark.parametrize("factory, expected", [
+    ("factory_that_raises", "raised RuntimeError: no weights on this machine"),
+    ("factory_of_text", "returned str 'a model, I promise', not an nn.Module"),
+])
+def test_a_failing_model_factory_is_one_line_naming_the_model(capsys, command, factory, expected):
+    argv = [command[0], f"{__name__}:{factory}", "--batch", "2", "--input", "3,8,8", *command[1:], *FAST]
+    one_error_line(capsys, argv, f"shrinkwrap: error: model {__name__}:{factory} {expected}")
+
+
+def test_profile_without_a_plan_profiles_the_model_as_it_is(capsys, tmp_path):
+    argv = ["profile", f"{__name__}:small_model", "--batch", "2", "--input", "3,8,8", "--json", str(tmp_path / "r.json"), *FAST]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "largest contributors, baseline" in out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == ["baseline"] and rows[0]["top_modules"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
