@@ -23,10 +23,26 @@ def small_model() -> nn.Module:
                          nn.Linear(32, 4))
 
 
+def factory_that_raises() -> nn.Module:
+    """A factory for `profile test_cli:factory_that_raises`: the user's model code fails."""
+    raise RuntimeError("no weights on this machine")
+
+
+def factory_of_text() -> str:
+    return "a model, I promise"
+
+
+def error_line(stderr: str) -> str:
+    """The command's error line: the last line of stderr. Lines before it are not the command's:
+    torch warns on import where numpy is missing ("UserWarning: Failed to initialize NumPy")."""
+    assert stderr.endswith("\n") and "Traceback" not in stderr, stderr
+    return stderr.splitlines()[-1]
+
+
 def one_error_line(capsys, argv, expected: str) -> None:
     assert main(argv) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.startswith("shrinkwrap: error: ")
+    assert out == "" and err.count("\n") == 1 and error_line(err).startswith("shrinkwrap: error: ")
     assert expected in err, err
 
 
@@ -68,6 +84,25 @@ def test_profile_reads_the_input_shape_a_factory_declares(capsys):
 ])
 def test_bad_input_gets_one_clear_line(capsys, argv, expected):
     one_error_line(capsys, argv, expected)
+
+
+@pytest.mark.parametrize("command", [["profile", "--plan", "swish()"], ["profile"], ["fit", "--budget", "0.5"]])
+@pytest.mark.parametrize("factory, expected", [
+    ("factory_that_raises", "raised RuntimeError: no weights on this machine"),
+    ("factory_of_text", "returned str 'a model, I promise', not an nn.Module"),
+])
+def test_a_failing_model_factory_is_one_line_naming_the_model(capsys, command, factory, expected):
+    argv = [command[0], f"{__name__}:{factory}", "--batch", "2", "--input", "3,8,8", *command[1:], *FAST]
+    one_error_line(capsys, argv, f"shrinkwrap: error: model {__name__}:{factory} {expected}")
+
+
+def test_profile_without_a_plan_profiles_the_model_as_it_is(capsys, tmp_path):
+    argv = ["profile", f"{__name__}:small_model", "--batch", "2", "--input", "3,8,8", "--json", str(tmp_path / "r.json"), *FAST]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "largest contributors, baseline" in out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == ["baseline"] and rows[0]["top_modules"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -115,7 +150,7 @@ def test_transformers_config_class_runs(capsys, monkeypatch, config, head, label
 def test_python_dash_m_runs_the_command():
     run = subprocess.run([sys.executable, "-m", "shrinkwrap", "profile", "x:y", "--batch", "1", "--plan", "bogus("],
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr.startswith("shrinkwrap: error: cannot read plan")
+    assert run.returncode == 2 and error_line(run.stderr).startswith("shrinkwrap: error: cannot read plan")
 
 
 def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):

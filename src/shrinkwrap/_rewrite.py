@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .select import Pattern, SelectionError, select
+from .select import Pattern, SelectionError, require_module, select
 
 _RECORDS = "_shrinkwrap_records"
 
@@ -150,8 +150,14 @@ def unwrap_inside(model: nn.Module, names: list[str], wrapper: type) -> list[Rep
 
 
 def records(model: nn.Module) -> list[Record]:
-    """What shrinkwrap has applied to ``model``, oldest first (an empty list if nothing)."""
-    return model.__dict__.get(_RECORDS, [])
+    """What shrinkwrap has applied to ``model``, oldest first (an empty list if nothing).
+
+    Example::
+
+        >>> sw.records(sw.apply(model, "checkpoint('layer1')"))[0].matched
+        ('layer1',)
+    """
+    return require_module(model, "records()").__dict__.get(_RECORDS, [])
 
 
 def record(model: nn.Module, rec: Record) -> Record:
@@ -174,7 +180,7 @@ def revert(model: nn.Module, keep: int = 0) -> nn.Module:
         >>> sw.apply(model, sw.Plan([sw.checkpoint("layer1")]))
         >>> sw.revert(model)   # model.layer1 is the original Sequential again
     """
-    recs = records(model)
+    recs = records(require_module(model, "revert()"))
     kept: list[str] = []
     while len(recs) > keep:
         rec = recs.pop()

@@ -287,7 +287,7 @@ def autoplan(
         raise ValueError(f"shrinkwrap: maximize is 'speed' or 'batch', got {maximize!r}")
     if maximize == "batch" and budget is None:
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
-    make = model_maker(model_or_factory)
+    make = model_maker(model_or_factory, "autoplan()")
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"

@@ -3,11 +3,14 @@
 ``shrinkwrap demo`` measures a plan on the built-in EfficientNet-style model (no downloads; seconds
 on a laptop CPU, CUDA when present). ``shrinkwrap profile`` measures a plan on a model named as
 ``torchvision:NAME``, ``timm:NAME``, ``transformers:CONFIGCLASS`` (random init from the config) or
-``package.module:factory``. Bad input gets one line on stderr and exit status 2.
+``package.module:factory``; without ``--plan`` it profiles the model as it is (the baseline and the
+modules that keep the most). Bad input, and a model factory that raises, get one line on stderr and
+exit status 2.
 
 Example::
 
     shrinkwrap demo
+    shrinkwrap profile torchvision:resnet18 --batch 128
     shrinkwrap profile torchvision:resnet18 --batch 128 --plan "checkpoint('layer[1-4]'), autocast(torch.bfloat16)" \\
         --json report.json --plot memory.png
 """
@@ -29,6 +32,7 @@ import torch.nn as nn
 from .compare import plan_report
 from .measure.step import resolve_device
 from .plan import Plan
+from .select import got
 from .step import step_class
 
 _PIP = {"torchvision": "torchvision", "timm": "timm", "transformers": "transformers", "matplotlib": "'shrinkwrap[plot]'"}
@@ -82,8 +86,37 @@ def _transformers(name: str) -> nn.Module:
     return _hf_model_class(config).from_config(config)
 
 
+class _Built:
+    """The model factory of a spec. What goes wrong inside it is the user's model, not shrinkwrap:
+    it reaches the user as one line naming the spec and the exception, not as a traceback through
+    the measuring code. Picklable, so a row can be sent to a subprocess."""
+
+    def __init__(self, spec: str, factory: Callable[[], nn.Module]) -> None:
+        self.spec, self.factory = spec, factory
+        self.__name__ = getattr(factory, "__name__", spec)
+
+    def __call__(self) -> nn.Module:
+        try:
+            model = self.factory()
+        except Exception as exc:
+            raise CliError(f"model {self.spec} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(model, nn.Module):
+            raise CliError(f"model {self.spec} returned {got(model)}, not an nn.Module")
+        return model
+
+
 def load_model(spec: str, input_shape: tuple[int, ...] | None, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
-    """A picklable factory for ``spec`` and a random batch for it (on the CPU, seeded)."""
+    """A picklable factory for ``spec`` and a random batch for it (on the CPU, seeded).
+
+    Example::
+
+        >>> make, batch = load_model("torchvision:resnet18", None, 8)   # batch: 8x3x224x224
+    """
+    factory, batch = _factory_and_batch(spec, input_shape, batch_size)
+    return _Built(spec, factory), batch
+
+
+def _factory_and_batch(spec: str, input_shape: tuple[int, ...] | None, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
     family, sep, name = spec.partition(":")
     if not sep or not name:
         raise CliError(f"cannot read model {spec!r}; write torchvision:NAME, timm:NAME, "
@@ -217,7 +250,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    plan = Plan.parse(args.plan)
+    plan = Plan.parse(args.plan)  # no --plan: the model as it is, its baseline and per-module table
     factory, batch = load_model(args.model, args.input, args.batch)
     return _run(args, factory, batch, plan, args.model)
 
@@ -275,7 +308,8 @@ def _parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="measure a plan on a torchvision, timm, transformers or your own model")
     model_args(prof)
-    prof.add_argument("--plan", required=True, help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\"")
+    prof.add_argument("--plan", default="", help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\" "
+                      "(default: none: the model as it is)")
     outputs(prof, iterations=5)
     prof.set_defaults(func=_profile)
 

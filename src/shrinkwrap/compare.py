@@ -29,6 +29,7 @@ from ._tree import tensors, tree_map
 from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .report import Report, Row
+from .select import wrong
 
 Progress = Callable[[int, int, str], None]
 
@@ -57,15 +58,14 @@ class _Copies:
         self.__name__ = state["name"]
 
 
-def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """A function returning a fresh model each call: the factory itself, or copies of an instance."""
+def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module], where: str) -> Callable[[], nn.Module]:
+    """A function returning a fresh model each call: the factory itself, or copies of an instance;
+    ``where`` names the public function for the message if it is neither."""
     if isinstance(model_or_factory, nn.Module):
         return _Copies(model_or_factory)
     if callable(model_or_factory):
         return model_or_factory
-    raise TypeError(
-        f"shrinkwrap: expected a model or a function returning one, got {type(model_or_factory).__name__}"
-    )
+    raise TypeError(wrong(where, "a model or a function returning one", model_or_factory))
 
 
 def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
@@ -133,7 +133,7 @@ def measure_plans(
 
     Example::
 
-        >>> report = measure_plans(model_maker(model), [Plan(), Plan([sw.swish()])], batch)
+        >>> report = measure_plans(model_maker(model, "measure_plans()"), [Plan(), Plan([sw.swish()])], batch)
     """
     device = resolve_device(options.device)
     options = dataclasses.replace(options, device=str(device))
@@ -228,8 +228,8 @@ def plan_report(
         >>> report = sw.plan_report(plan, torchvision.models.resnet18, torch.randn(128, 3, 224, 224))
         >>> print(report); report.save("report.json")
     """
-    plan = as_plan(plan)
-    make = model_maker(model_or_factory)
+    plan = as_plan(plan, "plan_report()")
+    make = model_maker(model_or_factory, "plan_report()")
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     if plan.steps:
         dev = resolve_device(device)

@@ -20,11 +20,16 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
+from .select import require_module, wrong
 from .step import Step, registered, step_class
 
 
 class PlanError(ValueError):
     """A plan is invalid: unknown step, bad text, or steps that contradict each other."""
+
+
+class NotAStepError(PlanError, TypeError):
+    """A plan given something that is not a step: a bad plan, and an argument of the wrong type."""
 
 
 class Plan:
@@ -41,10 +46,14 @@ class Plan:
     """
 
     def __init__(self, steps: Iterable[Step] = ()) -> None:
+        if isinstance(steps, (str, Step, nn.Module)) or not isinstance(steps, Iterable):
+            hint = (" — read a plan's text with Plan.parse(...)" if isinstance(steps, str)
+                    else f" — put it in a list: Plan([{steps}])" if isinstance(steps, Step) else "")
+            raise TypeError(wrong("Plan()", "a list of steps", steps, hint))
         self.steps: tuple[Step, ...] = tuple(steps)
         for s in self.steps:
             if not isinstance(s, Step):
-                raise PlanError(f"shrinkwrap: a plan holds steps such as checkpoint(...); got {s!r}")
+                raise NotAStepError(wrong("Plan()", "a list of steps (a plan holds steps such as checkpoint(...))", s))
         for i, a in enumerate(self.steps):
             for b in self.steps[i + 1 :]:
                 why = a.conflict(b) or b.conflict(a)
@@ -69,13 +78,20 @@ class Plan:
     def __iter__(self):
         return iter(self.steps)
 
-    def __add__(self, other: "Plan | Step | Sequence[Step]") -> "Plan":
-        more = (other,) if isinstance(other, Step) else tuple(other)
-        return Plan(self.steps + more)
+    def __add__(self, other: "Plan | Step | Sequence[Step] | str") -> "Plan":
+        return Plan(self.steps + as_plan(other, "plan + other").steps)
 
     @classmethod
     def parse(cls, text: str) -> "Plan":
-        """Read the text that ``str(plan)`` writes. Raises :class:`PlanError` on bad text."""
+        """Read the text that ``str(plan)`` writes. Raises :class:`PlanError` on bad text.
+
+        Example::
+
+            >>> Plan.parse("checkpoint('layer[12]'), autocast(torch.bfloat16)")
+            Plan("checkpoint('layer[12]'), autocast(torch.bfloat16)")
+        """
+        if not isinstance(text, str):
+            raise TypeError(wrong("Plan.parse()", "the plan's text (a str)", text))
         try:
             tree = ast.parse(f"[{text}]", mode="eval")
         except SyntaxError as exc:
@@ -105,6 +121,7 @@ class Plan:
         steps already applied. A step already applied to this model is skipped, so applying a plan
         twice is a no-op.
         """
+        require_module(model, "Plan.apply()")
         done = [r.step for r in _rewrite.records(model)]
         todo = [s for s in self.steps if s not in done]
         for step in todo:
@@ -145,15 +162,18 @@ def _value(node: ast.AST) -> Any:
 PlanLike = Union[Plan, Step, Sequence[Step], str]
 
 
-def as_plan(plan: PlanLike) -> Plan:
-    """A :class:`Plan` from a plan, a step, a list of steps or the plan's text."""
+def as_plan(plan: PlanLike, where: str) -> Plan:
+    """A :class:`Plan` from a plan, a step, a list of steps or the plan's text; ``where`` names
+    the public function for the message if ``plan`` is none of these."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Step):
         return Plan([plan])
     if isinstance(plan, str):
         return Plan.parse(plan)
-    return Plan(plan)
+    if isinstance(plan, (list, tuple)):
+        return Plan(plan)
+    raise TypeError(wrong(where, "a Plan, a step, a list of steps or the plan's text", plan))
 
 
 def apply(model: nn.Module, plan: PlanLike) -> nn.Module:
@@ -167,4 +187,5 @@ def apply(model: nn.Module, plan: PlanLike) -> nn.Module:
         >>> model = sw.apply(model, sw.Plan([sw.checkpoint(r"layer[12]")]))
         >>> model = sw.apply(model, "checkpoint('layer[12]')")   # the same, from text
     """
-    return as_plan(plan).apply(model)
+    require_module(model, "apply()")
+    return as_plan(plan, "apply()").apply(model)

@@ -10,12 +10,17 @@ A pattern is one of:
 
 The root module (name ``""``) is never selected. Shrinkwrap's own wrappers are seen through: a
 checkpointed ``BasicBlock`` still matches ``BasicBlock``.
+
+This module also holds the argument check of every public function (:func:`require_module`,
+:func:`wrong`): it is the bottom of the imports, so every layer above can use the one check.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Sequence, Union
+import inspect
+import reprlib
+from typing import Any, Callable, Sequence, Union
 
 import regex
 import torch.nn as nn
@@ -25,8 +30,54 @@ from ._wrapper import unwrap
 Pattern = Union[str, type, tuple, Sequence[str], Callable[[nn.Module, str], bool]]
 
 
+_repr = reprlib.Repr()
+_repr.maxother = 60  # room for a step's fields: Swish(pattern=None, include_silu=False)
+
+
 class SelectionError(ValueError):
     """A pattern is invalid or matches no module of the model."""
+
+
+def got(obj: Any) -> str:
+    """What an argument is, as an error message names it: ``the class Swish — call it: swish()``,
+    ``str 'resnet'``, ``None``. A class gets the call to make (a plan step's class carries the
+    name users call it by in ``name``), since passing ``sw.swish`` for ``sw.swish()`` is common."""
+    if isinstance(obj, type):
+        call = getattr(obj, "name", None)
+        call = call if isinstance(call, str) and call else obj.__name__
+        try:
+            needs_args = any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                             for p in inspect.signature(obj).parameters.values())
+        except (TypeError, ValueError):  # no signature to read (some builtins)
+            needs_args = True
+        return f"the class {obj.__name__} — call it: {call}({'...' if needs_args else ''})"
+    if inspect.isroutine(obj):
+        return f"the function {getattr(obj, '__name__', obj)}"
+    if obj is None:
+        return "None"
+    text = " ".join(_repr.repr(obj).split())  # a module's repr spans lines
+    return text if text.startswith(type(obj).__name__) else f"{type(obj).__name__} {text}"
+
+
+def wrong(where: str, takes: str, obj: Any, hint: str = "") -> str:
+    """The one message for an argument of the wrong type: what ``where`` takes and what it got."""
+    return f"shrinkwrap: {where} takes {takes}; got {got(obj)}{hint}"
+
+
+def require_module(obj: Any, where: str) -> nn.Module:
+    """``obj`` if it is an ``nn.Module``; else a ``TypeError`` saying what ``where`` got.
+
+    Every public function that takes a model checks it here first, so a wrong argument is one
+    clear message instead of an AttributeError from deep inside.
+
+    Example::
+
+        >>> require_module("resnet", "apply()")
+        TypeError: shrinkwrap: apply() takes a model (an nn.Module); got str 'resnet'
+    """
+    if not isinstance(obj, nn.Module):
+        raise TypeError(wrong(where, "a model (an nn.Module)", obj))
+    return obj
 
 
 def describe(pattern: Pattern) -> str:
@@ -88,6 +139,7 @@ def select(
         >>> select(torchvision.models.resnet18(), r"layer[12]")
         ['layer1', 'layer2']
     """
+    require_module(model, "select()")
     match = _matcher(pattern)
     names: list[str] = []
     chosen: list[str] = []

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
+from .select import require_module
 
 _STEPS: dict[str, type["Step"]] = {}
 
@@ -126,7 +127,7 @@ class Step:
     # -- the template ----------------------------------------------------------------------------
     def check(self, model: nn.Module) -> None:
         """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
-        self.targets(model)
+        self.targets(require_module(model, f"{self.name}().check()"))
 
     def applies(self, model: nn.Module) -> bool:
         """Whether the step has something to do on ``model`` (its check passes)."""
@@ -139,7 +140,7 @@ class Step:
     def apply(self, model: nn.Module) -> nn.Module:
         """Check, rewrite and record; return ``model``. A step that finds nothing at all (nothing
         to act on, nothing passed over) and changes nothing leaves no record."""
-        targets = self.targets(model)
+        targets = self.targets(require_module(model, f"{self.name}().apply()"))
         undo = self.rewrite(model, targets)
         if undo or targets.matched or targets.skipped or targets.notes:
             _rewrite.record(model, _rewrite.Record(

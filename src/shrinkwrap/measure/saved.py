@@ -7,6 +7,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..select import wrong
+
 
 def _storage_key(t: torch.Tensor) -> tuple | None:
     try:
@@ -103,6 +105,8 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int
         >>> saved_tensor_bytes(nn.Sequential(nn.Linear(512, 512), nn.ReLU()), x)
         262144
     """
+    if not callable(fn):
+        raise TypeError(wrong("saved_tensor_bytes()", "a function or model to run, then its arguments", fn))
     with SavedTensors() as saved:
         fn(*args, **kwargs)
     return saved.bytes

@@ -33,6 +33,7 @@ import torch.nn as nn
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
+from ..select import require_module
 from .modules import Event, ModuleLog
 from .saved import SavedTensors
 
@@ -360,7 +361,7 @@ def measure(
         >>> prof.saved / 2**20, prof.step_ms           # any device
     """
     options = Options(loss_fn, optimizer, iterations, warmup, device, grad_scaler)
-    return measure_with(model, batch, options, snapshot)
+    return measure_with(require_module(model, "measure()"), batch, options, snapshot)
 
 
 def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None) -> Profile:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError, select
+from ..select import Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets
 
 aten = torch.ops.aten
@@ -306,7 +306,7 @@ def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_sil
         >>> apply_swish(efficientnet)               # every x * sigmoid(x) module
         >>> sw.records(efficientnet)[-1].skipped    # what looked like Swish but was left alone
     """
-    return Swish(pattern, include_silu=include_silu).apply(model)
+    return Swish(pattern, include_silu=include_silu).apply(require_module(model, "apply_swish()"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,4 +541,4 @@ def apply_bn_act(model: nn.Module, pattern: Pattern | None = None) -> nn.Module:
 
         >>> apply_bn_act(torchvision.models.efficientnet_b0())
     """
-    return BnAct(pattern).apply(model)
+    return BnAct(pattern).apply(require_module(model, "apply_bn_act()"))

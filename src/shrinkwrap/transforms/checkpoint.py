@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError
+from ..select import Pattern, SelectionError, require_module
 from ..step import Candidate, Context, Step, Targets
 
 
@@ -279,4 +279,4 @@ def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool =
         >>> apply_checkpoint(resnet, r"layer[12]")
         >>> print(resnet.layer1)   # Checkpoint[Sequential](...)
     """
-    return Checkpoint(pattern, clone_inputs=clone_inputs).apply(model)
+    return Checkpoint(pattern, clone_inputs=clone_inputs).apply(require_module(model, "apply_checkpoint()"))

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
-from ..select import Pattern, select
+from ..select import Pattern, require_module, select
 from ..step import Candidate, Context, Step, Targets, applied_steps
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -333,7 +333,7 @@ def apply_autocast(
         >>> model(x).dtype
         torch.float32
     """
-    return Autocast(dtype, pattern, keep_output_dtype).apply(model)
+    return Autocast(dtype, pattern, keep_output_dtype).apply(require_module(model, "apply_autocast()"))
 
 
 # -- half ---------------------------------------------------------------------------------------
@@ -476,4 +476,4 @@ def apply_half(model: nn.Module, dtype: torch.dtype = torch.float16, *, keep: Pa
         >>> model(torch.randn(8, 3, 32, 32)).dtype   # float32 input cast on the way in
         torch.bfloat16
     """
-    return Half(dtype, keep).apply(model)
+    return Half(dtype, keep).apply(require_module(model, "apply_half()"))
