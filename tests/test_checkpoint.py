@@ -288,8 +288,11 @@ def test_deepcopy_and_whole_model_save_load():
 
 
 def test_torch_compile_runs_a_checkpointed_model():
+    # aot_eager: AOTAutograd's functional graphs, as inductor's, without its code generation. The
+    # debug backend "eager" runs torch's own checkpoint on the traced region, and its recompute
+    # counts BatchNorm twice: shrinkwrap's compiled form needs an AOTAutograd backend.
     ref, model = pair()
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = x64()
     out_r, g_r = run(ref, x)
     out_c, g_c = run(compiled, x)

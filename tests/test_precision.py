@@ -52,7 +52,14 @@ def rel_err(out, ref):
 
 
 def hooks(model):
-    return len(model._forward_pre_hooks), len(model._forward_hooks)
+    """What surrounds the root's forward: (what runs before it, what runs after it). Autocast
+    wraps it (both), half casts its inputs (before)."""
+    forward, kinds = model.__dict__.get("forward"), []
+    while forward is not None:
+        kinds.append(type(forward).__name__)
+        forward = forward.previous
+    before = len(model._forward_pre_hooks) + len(kinds)
+    return before, len(model._forward_hooks) + kinds.count("_AutocastForward")
 
 
 def dtypes(model):

@@ -84,6 +84,61 @@ class Hooked:
         self.handle.remove()
 
 
+class Label:
+    """Stands in for the root's ``_get_name`` so ``print(model)`` shows ``Autocast[ResNet]``; a
+    plain object so the model still pickles."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self) -> str:
+        return self.text
+
+
+class RootForward:
+    """Base of the ``forward`` a step sets on the root instance (the root cannot be replaced in
+    place): :meth:`inner` runs what ran before it. A forward wrapper, not hooks, because
+    torch.compile traces through it into one graph, and hooks on the compiled root break it.
+    A plain object (not a closure), so the model still deep-copies and pickles."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.previous = module.__dict__.get("forward")  # another step's, or accelerate's, or None
+
+    def inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass
+class RootChange:
+    """Undo entry: the ``forward`` a step set on the root, and the label ``print(model)`` shows;
+    ``label`` and ``forward`` hold what the instance had before (None: the class's own)."""
+
+    kind: str
+    label: Any = None
+    forward: Any = None
+
+    def undo(self, model: nn.Module) -> None:
+        for attr, before in (("_get_name", self.label), ("forward", self.forward)):
+            if before is None:
+                model.__dict__.pop(attr, None)
+            else:
+                model.__dict__[attr] = before
+
+
+def change_root(model: nn.Module, kind: str, forward: RootForward) -> RootChange:
+    """Set ``forward`` on the root and relabel it ``kind[Name]``; return the undo entry."""
+    entry = RootChange(kind, model.__dict__.get("_get_name"), model.__dict__.get("forward"))
+    model.__dict__["forward"] = forward
+    model.__dict__["_get_name"] = Label(f"{kind}[{model._get_name()}]")
+    return entry
+
+
 def get_module(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name) if name else model
 

@@ -24,6 +24,7 @@ import regex
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, unwrap
@@ -70,7 +71,8 @@ class MemoryEfficientSwish(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
+        # Compiled, plain SiLU is what the compiler fuses best, and it saves only x already.
+        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
             return _SwishFunction.apply(x)
         return F.silu(x)
 
@@ -420,16 +422,22 @@ class FusedBatchNormAct(TransparentWrapper):
         act = self._sw_act if self._sw_act is not None else self.wrapped.act
         return f"{self.wrapped.extra_repr()}, act={act!r}"
 
+    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.wrapped(x)  # a timm BatchNormAct2d runs its own act
+        return self._sw_act(y) if self._sw_act is not None else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.wrapped
-        act = self._sw_act
         batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or any(p is not None and p.requires_grad for p in (bn.weight, bn.bias))
         )
         if not (batch_stats and needs_grad):
-            y = bn(x)
-            return act(y) if act is not None else y
+            return self._unfused(x)
+        if torch.compiler.is_compiling():
+            # The compiler's form of the same saving: a recompute region it fuses into its backward
+            # kernels (an opaque autograd.Function would keep it from fusing anything around it).
+            return checkpoint(self._unfused, x, use_reentrant=False)
         if hasattr(bn, "_check_input_dim"):
             bn._check_input_dim(x)
         F._verify_batch_size(x.size())

@@ -17,7 +17,12 @@ fixes what the plain recipe gets wrong:
 - Hugging Face models: the KV cache would be written again by the recompute; a model holding
   checkpoint regions is called with ``use_cache=False`` in training, as HF's own
   ``gradient_checkpointing_enable()`` does (the record's notes say so; ``revert`` undoes it);
-- eval mode, ``no_grad`` and ``inference_mode`` run the module directly, with no checkpoint.
+- eval mode, ``no_grad`` and ``inference_mode`` run the module directly, with no checkpoint;
+- under ``torch.compile`` the region is traced into the graph with no break, and the compiler
+  recomputes it inside its backward (any AOTAutograd backend: inductor, aot_eager; the debugging
+  backend ``"eager"`` would replay BatchNorm updates). A region that writes into a container it
+  was given cannot be traced: dynamo says so under ``fullgraph=True``, and runs it eagerly
+  (exactly, as above) otherwise.
 
 Dropout masks match between forward and recompute (the RNG state is preserved), and inputs that
 do not require grad still give gradients to the region's parameters (non-reentrant checkpoint).
@@ -68,6 +73,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _call(module: nn.Module, kwargs: dict, *args: Any) -> Any:
+    # kwargs travel as one positional dict so that a module kwarg named like one of
+    # torch.utils.checkpoint's own options (debug, preserve_rng_state, ...) cannot collide.
+    return module(*args, **kwargs)
+
+
 class _Run:
     """What torch's checkpoint runs: the module on the caller's inputs in the forward, and in the
     recompute on a copy of the containers among them as they were before the forward, so that a
@@ -79,14 +90,12 @@ class _Run:
         self.calls = 0
 
     def __call__(self, kwargs: dict, *args: Any) -> Any:
-        # kwargs travel as one positional dict so that a module kwarg named like one of
-        # torch.utils.checkpoint's own options (debug, preserve_rng_state, ...) cannot collide.
         if self.calls:
             args, kwargs = tree_map(_same, self.before)
         self.calls += 1
         if self.clone:
             args, kwargs = tree_map(torch.clone, (args, kwargs))
-        return self.module(*args, **kwargs)
+        return _call(self.module, kwargs, *args)
 
 
 class CheckpointModule(TransparentWrapper):
@@ -121,6 +130,12 @@ class CheckpointModule(TransparentWrapper):
         inner = self.wrapped
         if not (self.training and torch.is_grad_enabled()):
             return inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced into the graph: the compiler's partitioner recomputes the region inside its
+            # backward kernels. It never replays a mutation, so BatchNorm statistics are updated
+            # once, and its graphs are functional, so an in-place input change cannot leak into
+            # the recompute; the eager safeguards below are neither needed nor traceable.
+            return _torch_checkpoint(_call, inner, kwargs, *args, use_reentrant=False)
         inputs = list(tensors((args, kwargs)))
         versions = [t._version for t in inputs]
         out = _torch_checkpoint(

@@ -29,12 +29,10 @@ __all__ = ['Autocast', 'Half', 'AutocastModule', 'KeepFloatModule', 'apply_autoc
 import copy
 import dataclasses
 import itertools
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils.hooks import RemovableHandle
 
 from .. import _rewrite
 from .._tree import tensors, tree_map
@@ -101,91 +99,20 @@ class AutocastModule(TransparentWrapper):
         return _outputs(out, self._sw_dtype, self._sw_keep_output_dtype)
 
 
-class _AutocastRoot:
-    """The root module's autocast region: ``enter`` is its forward pre-hook, ``exit`` its forward
-    hook, registered with ``always_call=True`` so that an exception in forward still closes the
-    region. A plain object (not a closure), so the model still deep-copies and pickles."""
+class _AutocastForward(_rewrite.RootForward):
+    """The root's forward under autocast: one ``with`` block around what ran before."""
 
-    def __init__(self, dtype: torch.dtype, keep_output_dtype: bool) -> None:
-        self.dtype = dtype
-        self.keep_output_dtype = keep_output_dtype
-        # Per thread: autocast state is thread-local, and DataParallel replicas share these hooks.
-        self._local = threading.local()
+    def __init__(self, module: nn.Module, dtype: torch.dtype, keep_output_dtype: bool) -> None:
+        super().__init__(module)
+        self.dtype, self.keep_output_dtype = dtype, keep_output_dtype
 
-    def __getstate__(self) -> dict:
-        return {"dtype": self.dtype, "keep_output_dtype": self.keep_output_dtype}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
-
-    def _open(self) -> list:
-        if not hasattr(self._local, "open"):
-            self._local.open = []
-        return self._local.open
-
-    # torch.compile cannot trace a region opened in one hook and closed in another: these run
-    # eagerly (a graph break), and the compiled forward between them sees autocast as on.
-    # _compile_eagerly() marks them so when the first root region is made: decorating them here
-    # would import torch._dynamo (seconds) with every `import shrinkwrap`.
-    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        region = _region(self.dtype, module, args, kwargs)
-        if region is not None:
-            region.__enter__()
-        self._open().append(region)
-
-    def exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if not self._open():  # a pre-hook before ours raised: we opened nothing
-            return None
-        region = self._open().pop()
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        region = _region(self.dtype, self.module, args, kwargs)
         if region is None:
-            return None
-        region.__exit__(None, None, None)
-        return None if output is None else _outputs(output, self.dtype, self.keep_output_dtype)
-
-
-def _compile_eagerly() -> None:
-    if not getattr(_AutocastRoot, "_eager", False):
-        _AutocastRoot.enter = torch.compiler.disable(_AutocastRoot.enter)  # type: ignore[method-assign]
-        _AutocastRoot.exit = torch.compiler.disable(_AutocastRoot.exit)  # type: ignore[method-assign]
-        _AutocastRoot._eager = True
-
-
-class _Label:
-    """Stands in for the root's ``_get_name`` so ``print(model)`` shows ``Autocast[ResNet]``; a
-    plain object so the model still pickles."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __call__(self) -> str:
-        return self.text
-
-
-@dataclasses.dataclass
-class RootHooks:
-    """Undo entry: hooks shrinkwrap put on the root module (which cannot be replaced in place),
-    and the root's ``_get_name`` before them (None: the class's own)."""
-
-    kind: str
-    handles: list[RemovableHandle]
-    label: Any = None
-
-    def undo(self, model: nn.Module) -> None:
-        for handle in self.handles:
-            handle.remove()
-        if self.label is None:
-            model.__dict__.pop("_get_name", None)
-        else:
-            model.__dict__["_get_name"] = self.label
-
-
-def _hook_root(model: nn.Module, kind: str, pre: Callable, post: Callable | None = None) -> RootHooks:
-    entry = RootHooks(kind, [model.register_forward_pre_hook(pre, with_kwargs=True)],
-                      model.__dict__.get("_get_name"))
-    if post is not None:
-        entry.handles.append(model.register_forward_hook(post, always_call=True))
-    model.__dict__["_get_name"] = _Label(f"{kind}[{model._get_name()}]")
-    return entry
+            return self.inner(*args, **kwargs)
+        with region:
+            out = self.inner(*args, **kwargs)
+        return _outputs(out, self.dtype, self.keep_output_dtype)
 
 
 def _undo_entries(model: nn.Module) -> Iterator[Any]:
@@ -283,7 +210,7 @@ class Autocast(Step):
     def targets(self, model: nn.Module) -> Targets:
         """The names to wrap ("" for the root) and the names passed over, with why."""
         _check_model(self, model, self.dtype, autocast=True)
-        at_root = any(isinstance(e, RootHooks) and e.kind == "Autocast" for e in _undo_entries(model))
+        at_root = any(isinstance(e, _rewrite.RootChange) and e.kind == "Autocast" for e in _undo_entries(model))
         if self.pattern is None:
             return Targets([], [("", "already autocast")]) if at_root else Targets([""])
         if at_root:
@@ -295,9 +222,7 @@ class Autocast(Step):
         # Never a region inside a region: a new one absorbs those inside it (the root: all).
         undo: list[Any] = _rewrite.unwrap_inside(model, wrap, AutocastModule)
         if wrap == [""]:
-            _compile_eagerly()
-            hooks = _AutocastRoot(self.dtype, self.keep_output_dtype)
-            undo.append(_hook_root(model, "Autocast", hooks.enter, hooks.exit))
+            undo.append(_rewrite.change_root(model, "Autocast", _AutocastForward(model, self.dtype, self.keep_output_dtype)))
         else:
             undo += _rewrite.replace(
                 model, wrap,
@@ -370,14 +295,16 @@ class KeepFloatModule(TransparentWrapper):
         return _map_floats(self.wrapped(*args, **kwargs), _cast_to(self._sw_dtype))
 
 
-class _CastInputs:
-    """Root forward pre-hook of a half model: floating inputs to ``dtype``; token ids untouched."""
+class _CastInputs(_rewrite.RootForward):
+    """The root's forward in a half model: floating inputs to ``dtype``; token ids untouched."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(module)
         self.dtype = dtype
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _map_floats((args, kwargs), _cast_to(self.dtype))
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_floats((args, kwargs), _cast_to(self.dtype))
+        return self.inner(*args, **kwargs)
 
 
 def _set_dtype(t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -462,7 +389,7 @@ class Half(Step):
                     _set_dtype(t, self.dtype)
         undo: list[Any] = [before]
         undo += _rewrite.replace(model, kept, lambda n, m: KeepFloatModule(m, self.dtype))
-        undo.append(_hook_root(model, "Half", _CastInputs(self.dtype)))
+        undo.append(_rewrite.change_root(model, "Half", _CastInputs(model, self.dtype)))
         return undo
 
 

@@ -1,0 +1,130 @@
+"""Every step traces under torch.compile with no graph break, and compiled training equals eager.
+
+The backend is aot_eager: AOTAutograd's functional graphs and partitioner, as inductor uses them,
+without inductor's code generation (slow on a CPU, and not what is under test).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from shrinkwrap.models import tiny_efficientnet
+
+from toymodels import net64
+
+BF16 = torch.bfloat16
+
+# (model factory, input factory, plans): each plan alone, and the steps together.
+CASES = {
+    "residual": (net64, lambda: torch.randn(4, 3, 8, 8, dtype=torch.float64), {
+        "checkpoint": [sw.checkpoint(r"layer[12]")],
+        "bn_act": [sw.bn_act()],
+        "autocast": [sw.autocast(BF16)],
+        "autocast_region": [sw.autocast(BF16, r"layer2")],
+        "half": [sw.half(BF16)],
+        "together": [sw.checkpoint(r"layer[12]"), sw.bn_act(), sw.autocast(BF16)],
+    }),
+    "efficientnet": (lambda: tiny_efficientnet().double(), lambda: torch.randn(4, 3, 32, 32, dtype=torch.float64), {
+        "swish": [sw.swish()],
+        "bn_act": [sw.bn_act()],
+        "checkpoint": [sw.checkpoint(r"blocks\.\d+")],
+        "together": [sw.swish(), sw.bn_act(), sw.checkpoint(r"blocks\.\d+"), sw.autocast(BF16)],
+    }),
+}
+PARAMS = [(model, plan) for model, (_, _, plans) in CASES.items() for plan in plans]
+
+
+def build(model_name, plan_name):
+    make, inputs, plans = CASES[model_name]
+    torch.manual_seed(0)
+    model = sw.apply(make(), plans[plan_name])
+    torch.manual_seed(1)
+    return model, inputs()
+
+
+def train(model, x, steps=2):
+    """Two SGD steps with fixed dropout seeds; the outputs, gradients and buffers they leave."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs = []
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(10 + i)
+        out = model(x)
+        out.float().square().mean().backward()
+        opt.step()
+        outs.append(out.detach())
+    plain = getattr(model, "_orig_mod", model)
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    return outs, grads, {n: b.clone() for n, b in plain.named_buffers()}
+
+
+@pytest.mark.parametrize("model_name, plan_name", PARAMS)
+def test_no_graph_break(model_name, plan_name):
+    model, x = build(model_name, plan_name)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("model_name, plan_name", PARAMS)
+def test_compiled_fullgraph_training_equals_eager(model_name, plan_name):
+    model, x = build(model_name, plan_name)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got, want = train(compiled, x), train(eager, x)
+    lossy = any(s.lossy for s in CASES[model_name][2][plan_name])
+    # Exact steps: float64 rounding (the compiler may reorder a reduction). Lossy ones: the same
+    # half-precision ops eager ran, so rounding of bfloat16 at most.
+    tol = dict(rtol=2e-2, atol=2e-2) if lossy else dict(rtol=1e-10, atol=1e-12)
+    for a, b in zip(got[0], want[0]):
+        torch.testing.assert_close(a, b, **tol)
+    for part in (1, 2):
+        assert got[part].keys() == want[part].keys()
+        for k in want[part]:
+            torch.testing.assert_close(got[part][k], want[part][k], **tol, msg=k)
+    counts = [b for n, b in got[2].items() if n.endswith("num_batches_tracked")]
+    assert counts and all(int(c) == 2 for c in counts)  # BatchNorm counted once per step
+
+
+def test_compiled_checkpoint_recomputes_inside_the_graph():
+    """The compiled checkpointed model keeps less for backward than the compiled plain one."""
+    def saved(plan):
+        torch.manual_seed(0)
+        model = sw.apply(nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+                                         for _ in range(4)]), plan)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        x = torch.randn(32, 64, requires_grad=True)
+        compiled(x).sum().backward()  # compile once, outside the count
+        return sw.saved_tensor_bytes(lambda: compiled(x))
+
+    assert saved([sw.checkpoint(r"\d")]) < saved([])
+
+
+def test_a_region_taking_a_dict_positionally_compiles():
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, extra):
+            return self.lin(x) * extra["scale"] + extra["shift"][0]
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = Mix()
+
+        def forward(self, x):
+            return self.mix(x, {"scale": x.sigmoid(), "shift": (x.cos(),)})
+
+    torch.manual_seed(0)
+    model = sw.apply(Outer().double(), [sw.checkpoint("mix")])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    eager = copy.deepcopy(model)
+    got, want = train(torch.compile(model, backend="aot_eager", fullgraph=True), x), train(eager, x)
+    for k in want[1]:
+        torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-10, atol=1e-12)
