@@ -74,6 +74,17 @@ def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
     return out if keep_output_dtype else _map_floats(out, _cast_to(torch.float32, only=dtype))
 
 
+def _autocast_call(fn: Callable, module: nn.Module, dtype: torch.dtype, keep_output_dtype: bool,
+                   args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` in ``module``'s autocast region (see :func:`_region`)."""
+    region = _region(dtype, module, args, kwargs)
+    if region is None:
+        return fn(*args, **kwargs)
+    with region:
+        out = fn(*args, **kwargs)
+    return _outputs(out, dtype, keep_output_dtype)
+
+
 class AutocastModule(TransparentWrapper):
     """Run ``module``'s forward under ``torch.autocast(dtype)``, changing no parameter name.
 
@@ -91,12 +102,7 @@ class AutocastModule(TransparentWrapper):
         self._sw_keep_output_dtype = keep_output_dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        region = _region(self._sw_dtype, self.wrapped, args, kwargs)
-        if region is None:
-            return self.wrapped(*args, **kwargs)
-        with region:
-            out = self.wrapped(*args, **kwargs)
-        return _outputs(out, self._sw_dtype, self._sw_keep_output_dtype)
+        return _autocast_call(self.wrapped, self.wrapped, self._sw_dtype, self._sw_keep_output_dtype, args, kwargs)
 
 
 class _AutocastForward(_rewrite.RootForward):
@@ -107,12 +113,7 @@ class _AutocastForward(_rewrite.RootForward):
         self.dtype, self.keep_output_dtype = dtype, keep_output_dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        region = _region(self.dtype, self.module, args, kwargs)
-        if region is None:
-            return self.inner(*args, **kwargs)
-        with region:
-            out = self.inner(*args, **kwargs)
-        return _outputs(out, self.dtype, self.keep_output_dtype)
+        return _autocast_call(self.inner, self.module, self.dtype, self.keep_output_dtype, args, kwargs)
 
 
 def _undo_entries(model: nn.Module) -> Iterator[Any]:
