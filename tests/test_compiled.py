@@ -128,3 +128,32 @@ def test_a_region_taking_a_dict_positionally_compiles():
     got, want = train(torch.compile(model, backend="aot_eager", fullgraph=True), x), train(eager, x)
     for k in want[1]:
         torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-10, atol=1e-12)
+
+
+def test_the_harness_reports_a_compiled_model_honestly():
+    torch.manual_seed(0)
+    model = sw.apply(tiny_efficientnet(), [sw.checkpoint(r"blocks\.\d+")])
+    model.compile(backend="aot_eager")
+    prof = sw.measure(model, torch.randn(2, 3, 32, 32), iterations=2, warmup=2, device="cpu")
+    assert prof.compiled and prof.graph_breaks == 0 and prof.recompiles == 0
+    assert prof.first_ms > max(prof.step_times_ms)  # compilation is in the first iteration, not the timed ones
+    assert "compiled" in str(prof)
+    plain = sw.measure(tiny_efficientnet(), torch.randn(2, 3, 32, 32), iterations=1, warmup=1, device="cpu")
+    assert not plain.compiled and plain.graph_breaks is None
+
+
+def test_a_graph_break_is_counted():
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            torch._dynamo.graph_break()
+            return y.tanh()
+
+    model = Breaks()
+    model.compile(backend="aot_eager")
+    prof = sw.measure(model, torch.randn(2, 4), iterations=1, warmup=2, device="cpu")
+    assert prof.graph_breaks >= 1 and prof.recompiles == 0

@@ -25,7 +25,10 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       phases {first[], steady[]} of {phase, allocated_mib, peak_mib} (CUDA; [] without),
       top_modules[] ({module, mib}: what each module's forward added and kept, largest first),
       timeline_probe ("allocated" | "saved_for_backward"), timeline[] ({module, event, mib}),
-      snapshot (path of the CUDA memory snapshot, or null)
+      snapshot (path of the CUDA memory snapshot, or null),
+      compiled (the model ran under torch.compile), first_ms (the first iteration, compilation
+        included; step_ms excludes it), recompiles (graphs compiled after warm-up) and
+        graph_breaks (dynamo's count; both null for a model not compiled)
 
 A field that a row cannot have (an OOM row has no peak) is null, never missing.
 """
@@ -226,6 +229,11 @@ class Report:
             top = ", ".join(f"{m or '(root)'} {b / MiB:.2f}" for m, b in row.profile.top_modules[:5])
             if top:
                 lines.append(f"largest contributors, {row.label} (MiB kept by each forward): {top}")
+        for row in ok:
+            p = row.profile
+            if p.compiled:
+                lines.append(f"compiled, {row.label}: first iteration {p.first_ms:.0f} ms with compilation, "
+                             f"graph breaks {p.graph_breaks}, recompiles after warm-up {p.recompiles}")
         lines += [f"note: {n}" for n in self.notes]
         return lines
 
@@ -319,6 +327,10 @@ def _profile_dict(p: "Profile | None") -> dict[str, Any]:
         "timeline_probe": p.timeline_probe if p else None,
         "timeline": [{"module": e.module, "event": e.event, "mib": _mib(e.bytes)} for e in (p.timeline if p else [])],
         "snapshot": p.snapshot if p else None,
+        "compiled": p.compiled if p else None,
+        "first_ms": round(p.first_ms, 3) if p and p.first_ms is not None else None,
+        "recompiles": p.recompiles if p else None,
+        "graph_breaks": p.graph_breaks if p else None,
     }
 
 

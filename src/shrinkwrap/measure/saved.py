@@ -27,7 +27,9 @@ class _Held:
         self.tensor, self.key, self.owner = tensor, key, owner
 
     def __del__(self) -> None:
-        self.owner._release(self.key)
+        owner = getattr(self, "owner", None)  # unset where a compiler built the object without __init__
+        if owner is not None:
+            owner._release(self.key)
 
 
 class SavedTensors:

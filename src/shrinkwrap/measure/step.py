@@ -60,14 +60,21 @@ class Profile:
     ``first_peak`` (the first step), ``static`` (allocated before the steady step), and the
     per-phase ``first_step``/``steady_step`` lists. Any device: ``saved`` (bytes saved for
     backward, unique storages), ``parameters`` (parameters and buffers), ``gradients``,
-    ``optimizer_state``, ``batch``, ``step_ms`` (median). ``timeline`` is the per-module log of
-    one step, read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
+    ``optimizer_state``, ``batch``, ``step_ms`` (median, warm-up excluded), ``first_ms`` (the
+    first iteration, compilation included). ``timeline`` is the per-module log of one iteration,
+    read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
+
+    A model compiled with ``torch.compile`` (``compiled``): ``graph_breaks`` and ``recompiles``
+    (graphs compiled after warm-up: a timed iteration that recompiles is not a steady state)
+    come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
+    (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
+    again, and that program is not the one measured.
     """
 
     device: str
     device_name: str
     torch_version: str
-    saved: int
+    saved: int | None
     parameters: int
     gradients: int
     optimizer_state: int
@@ -83,6 +90,10 @@ class Profile:
     timeline_probe: str = "saved_for_backward"
     top_modules: list[tuple[str, int]] = field(default_factory=list)
     snapshot: str | None = None
+    compiled: bool = False
+    first_ms: float | None = None
+    recompiles: int | None = None
+    graph_breaks: int | None = None
 
     @property
     def peak_phase(self) -> str | None:
@@ -117,10 +128,13 @@ class Profile:
             lines.append("  at the peak: " + ", ".join(f"{k} {mib(v)}" for k, v in self.breakdown().items()))
         else:
             lines.append("  no CUDA: no GPU peak measured")
-        lines.append(f"  saved for backward: {mib(self.saved)}; parameters+buffers {mib(self.parameters)}, "
+        lines.append(f"  saved for backward: {mib(self.saved or 0)}; parameters+buffers {mib(self.parameters)}, "
                      f"gradients {mib(self.gradients)}, optimizer state {mib(self.optimizer_state)}, "
                      f"batch {mib(self.batch)}")
         lines.append(f"  step time: {self.step_ms:.1f} ms (median of {len(self.step_times_ms)})")
+        if self.compiled:
+            lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
+                         f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
         return "\n".join(lines)
 
 
@@ -262,7 +276,7 @@ def _phases(step: _Iteration, device: torch.device) -> list[Phase]:
     return phases
 
 
-def _timed(step: _Iteration, device: torch.device, n: int) -> list[float]:
+def _timed(step: Callable[[], Any], device: torch.device, n: int) -> list[float]:
     times = []
     for _ in range(n):
         if device.type == "cuda":
@@ -382,30 +396,34 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
     step = _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler)
 
+    compiled = is_compiled(model)
+    counts = _dynamo_counts if compiled else (lambda: (0, 0))
+    graphs_start, breaks_start = counts()
     _clean(device)
     first: list[Phase] = []
-    if cuda:
-        first = _phases(step, device)
-    else:
-        step()
+    first_ms = _timed(lambda: first.extend(_phases(step, device)) if cuda else step(), device, 1)[0]
     for _ in range(options.warmup - 1):
         step()
+    graphs_warm, _ = counts()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady = _phases(step, device) if cuda else []
     times = _timed(step, device, options.iterations)
+    graphs, breaks = counts()
 
-    saved = SavedTensors()
-    probe = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: saved.live)
-    log = ModuleLog(model, probe)
-    with saved, log, _memory_history(snapshot):
-        step(log.mark)
+    saved: SavedTensors | None = None
+    log = ModuleLog(model, lambda: 0)
+    if not (compiled and cuda):
+        saved = SavedTensors()
+        log.probe = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: saved.live)
+        with saved, log, _memory_history(snapshot):
+            step(log.mark)
 
     return Profile(
         device=str(device),
         device_name=device_name(device),
         torch_version=torch.__version__,
-        saved=saved.bytes,
+        saved=saved.bytes if saved is not None else None,
         parameters=_bytes([*model.parameters(), *model.buffers()]),
         gradients=_bytes(p.grad for p in model.parameters()),
         optimizer_state=_bytes(t for s in opt.state.values() for t in tensors(s)),
@@ -421,4 +439,21 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         timeline_probe="allocated" if cuda else "saved_for_backward",
         top_modules=log.contributors()[:10],
         snapshot=snapshot,
+        compiled=compiled,
+        first_ms=first_ms,
+        recompiles=graphs - graphs_warm if compiled else None,
+        graph_breaks=breaks - breaks_start if compiled else None,
     )
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a module in it runs compiled (``torch.compile`` or ``Module.compile``)."""
+    return type(model).__name__ == "OptimizedModule" or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters."""
+    from torch._dynamo.utils import counters  # imported already where a model is compiled
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
