@@ -290,3 +290,19 @@ def test_cuda_measure_in_place_restores_a_gpu_model(tmp_path):
     prof = sw.measure(model, torch.randn(64, 256), snapshot=str(tmp_path / "snap.pickle"))
     assert prof.peak >= prof.static > 0 and (tmp_path / "snap.pickle").stat().st_size > 0
     assert all(torch.equal(v, state[k]) and v.is_cuda for k, v in model.state_dict().items())
+
+
+def test_time_interleaved_takes_turns_and_restores_the_models():
+    order = []
+    models = {}
+    for name in "abc":
+        model = nn.Linear(4, 4)
+        model.register_forward_hook(lambda m, i, o, name=name: order.append(name))
+        models[name] = model
+    before = {n: m.weight.detach().clone() for n, m in models.items()}
+    timings = sw.time_interleaved(models, torch.randn(2, 4), sw.Options(device="cpu", warmup=1), rounds=3, per_round=2)
+    assert order[:3] == ["a", "b", "c"]                          # warm-up
+    rounds = order[3:]
+    assert rounds == list("aabbcc" + "bbccaa" + "ccaabb")        # turns, with a new first each round
+    assert all(len(t.rounds_ms) == 3 and t.median > 0 and t.spread >= 0 for t in timings.values())
+    assert all(torch.equal(models[n].weight, before[n]) for n in models)

@@ -15,7 +15,8 @@ from . import transforms
 from ._rewrite import records, revert
 from .autoplan import autoplan
 from .compare import plan_report
-from .measure import Event, ModuleLog, Options, Phase, Profile, SavedTensors, measure, saved_tensor_bytes
+from .measure import (Event, ModuleLog, Options, Phase, Profile, SavedTensors, Timing, measure, saved_tensor_bytes,
+                      time_interleaved)
 from .plan import Plan, PlanError, apply
 from .report import Report, Row
 from .select import SelectionError, select
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
     "measure", "Options", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
-    "saved_tensor_bytes", "SavedTensors", "autoplan",
+    "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan",
     *transforms.__all__,
     *(_cls.name for _cls in registered()),
 ]

@@ -10,7 +10,7 @@ Example::
 
 from .modules import Event, ModuleLog
 from .saved import SavedTensors, saved_tensor_bytes
-from .step import Options, Phase, Profile, default_loss, measure
+from .step import Options, Phase, Profile, Timing, default_loss, measure, time_interleaved
 
-__all__ = ["Event", "ModuleLog", "Options", "Phase", "Profile", "SavedTensors", "default_loss", "measure",
-           "saved_tensor_bytes"]
+__all__ = ["Event", "ModuleLog", "Options", "Phase", "Profile", "SavedTensors", "Timing", "default_loss", "measure",
+           "saved_tensor_bytes", "time_interleaved"]

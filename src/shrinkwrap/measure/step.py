@@ -384,17 +384,23 @@ def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str |
         return _measure(model, batch, options, snapshot)
 
 
-def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | None) -> Profile:
-    device = resolve_device(options.device)
-    if snapshot and device.type != "cuda":
-        raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
-    cuda = device.type == "cuda"
+def _setup(model: nn.Module, batch: Any, options: Options, device: torch.device) -> tuple[_Iteration, Any]:
+    """The model on ``device`` in training mode, and an iteration with a fresh optimizer."""
     model.to(device).train()
     batch = tree_map(lambda t: t.to(device), batch)
     opt = (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
     grad_scaler = needs_grad_scaler(model) if options.grad_scaler is None else options.grad_scaler
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
-    step = _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler)
+    return _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler), batch
+
+
+def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | None) -> Profile:
+    device = resolve_device(options.device)
+    if snapshot and device.type != "cuda":
+        raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
+    cuda = device.type == "cuda"
+    step, batch = _setup(model, batch, options, device)
+    opt = step.opt
 
     compiled = is_compiled(model)
     counts = _dynamo_counts if compiled else (lambda: (0, 0))
@@ -444,6 +450,56 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
     )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One configuration's iteration time, measured in turns with others: the mean of each round,
+    their median, and the spread between the fastest and the slowest round."""
+
+    rounds_ms: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rounds_ms)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest round) / median: how far two figures must differ to mean something."""
+        return (max(self.rounds_ms) - min(self.rounds_ms)) / self.median
+
+    def __str__(self) -> str:
+        return f"{self.median:.1f} ms ({min(self.rounds_ms):.1f}-{max(self.rounds_ms):.1f}, {len(self.rounds_ms)} rounds)"
+
+
+def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
+                     rounds: int = 5, per_round: int = 3) -> dict[str, Timing]:
+    """Time the training iteration of several models in turns (A B C, B C A, ...) in this process.
+
+    Step times on a shared GPU drift 10-20% between processes and over minutes; measured in
+    turns, drift falls on every configuration alike, and each result carries its spread. Each
+    model gets ``options.warmup`` iterations first (compilation happens there), then ``rounds``
+    rounds of ``per_round`` iterations each; models are restored afterwards, as by :func:`measure`.
+
+    Example::
+
+        >>> t = time_interleaved({"fp32": plain, "plan": transformed}, batch, Options(device="cuda"))
+        >>> t["plan"].median / t["fp32"].median, t["plan"].spread
+    """
+    device = resolve_device(options.device)
+    with contextlib.ExitStack() as stack:
+        steps = {}
+        for name, model in models.items():
+            stack.enter_context(restored(require_module(model, "time_interleaved()")))
+            steps[name], _ = _setup(model, batch, options, device)
+            for _ in range(options.warmup):
+                steps[name]()
+        names = list(steps)
+        out: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
+                out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
+    return {name: Timing(tuple(times)) for name, times in out.items()}
 
 
 def is_compiled(model: nn.Module) -> bool:
