@@ -15,11 +15,8 @@ the tests hold float64 to ``rtol=1e-12``. Element-wise dropout draws its random 
 order, so on a channels_last activation the same numbers fall on other elements: the masks have
 the same distribution, not the same elements, as the untransformed model's.
 
-torch.compile: the input hook never breaks a graph. ``torch.compile(model)`` traces the compiled
-module's own hooks as frames of their own (PyTorch's rule for top-level hooks), so it gets a
-one-op graph besides the forward's, and ``torch._dynamo.explain`` counts that as a break (its
-count is graphs minus one; it lists no reason). A model compiled inside another module, or with
-``torch._dynamo.config.wrap_top_frame = True``, is one graph.
+torch.compile: the inputs are converted by a forward of the root's own (see
+``_rewrite.RootForward``), which dynamo traces into the model's one graph.
 """
 
 from __future__ import annotations
@@ -33,12 +30,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .. import _rewrite
 from .._tree import tree_map
 from ..select import SelectionError, require_module
 from ..step import Candidate, Context, Step, Targets, applied_steps
-# The root's hooks and its label in print(model) (ChannelsLast[Net]). precision's helper: with a
-# second family using it, it belongs in _rewrite.py next to Hooked (left there: this change is one file).
-from .precision import _hook_root
 
 CHANNELS_LAST = torch.channels_last
 
@@ -52,10 +47,13 @@ def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=CHANNELS_LAST) if _image_like(t) else t
 
 
-def _inputs_to_channels_last(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Root forward pre-hook: 4-D floating inputs (images, anywhere in the arguments) to
-    channels_last; others untouched. A module-level function, so the model still pickles."""
-    return tree_map(_to_channels_last, (args, kwargs))
+class _ChannelsLastInputs(_rewrite.RootForward):
+    """The root's forward: 4-D floating inputs (images, anywhere in the arguments) to
+    channels_last; others untouched."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(_to_channels_last, (args, kwargs))
+        return self.inner(*args, **kwargs)
 
 
 def _relayout(t: torch.Tensor, to: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -162,7 +160,7 @@ class ChannelsLast(Step):
             _relayout(tensors[name], _to_channels_last)
         undo: list[Any] = [before] if convert else []
         if hook:
-            undo.append(_hook_root(model, "ChannelsLast", _inputs_to_channels_last))
+            undo.append(_rewrite.change_root(model, "ChannelsLast", _ChannelsLastInputs(model)))
         return undo
 
     @classmethod
