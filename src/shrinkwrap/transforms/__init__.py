@@ -3,7 +3,7 @@
 
 import importlib
 
-FAMILIES = ("checkpoint", "activations", "precision")
+FAMILIES = ("checkpoint", "activations", "precision", "compile")
 
 __all__: list[str] = []
 for _family in FAMILIES:
