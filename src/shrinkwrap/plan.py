@@ -59,6 +59,9 @@ class Plan:
                 why = a.conflict(b) or b.conflict(a)
                 if why:
                     raise PlanError(f"shrinkwrap: {a} and {b} cannot share a plan: {why}")
+        for a, b in zip(self.steps, self.steps[1:]):
+            if a.last:
+                raise PlanError(f"shrinkwrap: {a.name} goes last in a plan, but {b} comes after {a}; put {a} at the end")
 
     def __str__(self) -> str:
         return ", ".join(str(s) for s in self.steps)

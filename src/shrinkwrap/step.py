@@ -78,7 +78,9 @@ class Step:
     implement :meth:`targets` and :meth:`rewrite`.
 
     Class attributes: ``lossy`` marks steps that change the numbers (precision); ``order`` is
-    where autoplan puts the step in a plan (lower first).
+    where autoplan puts the step in a plan (lower first); ``last`` marks a step that goes last
+    (compile): a plan with a step after it is refused, and so is any other step on a model that
+    already has it.
 
     Example (a complete step)::
 
@@ -94,6 +96,7 @@ class Step:
     name: ClassVar[str] = ""
     lossy: ClassVar[bool] = False
     order: ClassVar[int] = 50
+    last: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -127,7 +130,7 @@ class Step:
     # -- the template ----------------------------------------------------------------------------
     def check(self, model: nn.Module) -> None:
         """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
-        self.targets(require_module(model, f"{self.name}().check()"))
+        self.targets(self._after_last(require_module(model, f"{self.name}().check()")))
 
     def applies(self, model: nn.Module) -> bool:
         """Whether the step has something to do on ``model`` (its check passes)."""
@@ -140,11 +143,22 @@ class Step:
     def apply(self, model: nn.Module) -> nn.Module:
         """Check, rewrite and record; return ``model``. A step that finds nothing at all (nothing
         to act on, nothing passed over) and changes nothing leaves no record."""
-        targets = self.targets(require_module(model, f"{self.name}().apply()"))
+        targets = self.targets(self._after_last(require_module(model, f"{self.name}().apply()")))
         undo = self.rewrite(model, targets)
         if undo or targets.matched or targets.skipped or targets.notes:
             _rewrite.record(model, _rewrite.Record(
                 self, tuple(targets.matched), tuple(targets.skipped), undo, tuple(targets.notes)))
+        return model
+
+    def _after_last(self, model: nn.Module) -> nn.Module:
+        """``model``, unless it already has another step that goes last (``last``): then raise."""
+        for done in applied_steps(model):
+            if done.last and done != self:
+                raise ValueError(
+                    f"shrinkwrap: cannot apply {self} to {type(model).__name__}, which already has {done}: "
+                    f"{done.name} goes last. Call shrinkwrap.revert(model) first, then apply one plan "
+                    f"that ends with {done}."
+                )
         return model
 
     def __str__(self) -> str:

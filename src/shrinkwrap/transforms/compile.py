@@ -1,0 +1,185 @@
+"""Compile: ``torch.compile`` the model in place, as the last step of a plan.
+
+:class:`Compile` (``compile(mode=None, fullgraph=False, dynamic=None, memory_budget=None,
+backend='inductor')``) compiles the root module's call the way ``nn.Module.compile`` does: the
+module object, its names and its ``state_dict`` keys stay as they were (no ``_orig_mod.``
+prefix), and whatever the earlier steps of the plan did is compiled with it.
+
+``memory_budget`` is the activation memory budget of the min-cut partitioner
+(``torch._functorch.config.activation_memory_budget``: 1.0 saves what the default strategy saves,
+lower values recompute more in backward) for this model only. The partitioner reads that global
+while it partitions a joint graph, which happens inside the compiler backend (on the first
+compiled call and on each recompile), so this step hands ``torch.compile`` a backend that sets
+the budget for the length of its own call and leaves the global as it was. The backend also
+compares equal only to one with the same budget: dynamo shares compiled code between the models
+of one class, and the global budget is no part of its guards, so without that a model compiled
+first would decide the budget of the others.
+"""
+
+from __future__ import annotations
+
+__all__ = ['Compile']
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..select import wrong
+from ..step import Step, Targets, applied_steps
+
+# Backends that partition with the default strategy (or not at all): they would ignore a budget.
+_NO_BUDGET = ("eager", "aot_eager")
+
+
+class _Budgeted:
+    """A compiler backend: torch's own for ``backend`` and ``mode``, run with the partitioner's
+    activation memory budget set to ``budget`` for the length of the call."""
+
+    def __init__(self, backend: str, mode: str | None, dynamic: bool | None, budget: float) -> None:
+        # What torch.compile itself makes of a backend name and a mode (torch's private classes,
+        # there since torch 2.0): a callable backend gets no mode from torch.compile.
+        if backend == "inductor":
+            self.inner: Any = torch._TorchCompileInductorWrapper(mode, None, dynamic)
+        else:
+            self.inner = torch._TorchCompileWrapper(backend, mode, None, dynamic)
+        self.key = (backend, mode, dynamic, budget)
+        self.__name__ = f"{backend}[memory_budget={budget}]"  # torch.compile names the backend by it
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.key[-1]):
+            return self.inner(gm, example_inputs)
+
+    def __eq__(self, other: object) -> bool:
+        # Dynamo reuses compiled code only under an equal backend: equal settings, equal budget.
+        return isinstance(other, _Budgeted) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def reset(self) -> None:
+        if hasattr(self.inner, "reset"):
+            self.inner.reset()
+
+
+class CompiledCall:
+    """Undo entry: the compiled call :class:`Compile` set on the root module.
+
+    It holds the root module, so that a copy of the model (``copy.deepcopy``, ``torch.save``,
+    pickling), which PyTorch makes without the compiled call, is compiled again, with the same
+    settings, as it is rebuilt.
+    """
+
+    def __init__(self, step: "Compile", model: nn.Module) -> None:
+        self.step = step
+        self.model = model
+        self.install()
+
+    def install(self) -> None:
+        # What nn.Module.compile does; through __dict__, since a copy being rebuilt has no state yet.
+        self.call = torch.compile(self.model._call_impl, **self.step.compile_kwargs())
+        self.model.__dict__["_compiled_call_impl"] = self.call
+
+    def undo(self, model: nn.Module) -> str | None:
+        """Remove the compiled call, unless it is no longer ours: then it stays, and its name comes back."""
+        if model.__dict__.get("_compiled_call_impl") is not self.call:
+            return "_compiled_call_impl"
+        del model.__dict__["_compiled_call_impl"]
+        return None
+
+    def __getstate__(self) -> dict:
+        return {"step": self.step, "model": self.model}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.install()
+
+    def __repr__(self) -> str:
+        return f"CompiledCall({self.step})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Compile(Step):
+    """Step: compile the model in place with ``torch.compile``, as ``nn.Module.compile`` does.
+
+    ``mode``, ``fullgraph``, ``dynamic`` and ``backend`` are ``torch.compile``'s. ``memory_budget``
+    (a float in (0, 1], None: the global setting) is the partitioner's activation memory budget
+    for this model only (see the module docstring); backends that partition with min-cut honour
+    it (``inductor``, ``aot_eager_decomp_partition``), and one that would ignore it
+    (``eager``, ``aot_eager``) is refused.
+
+    Always the last step of a plan (``last``): a plan with a step after it is refused, and so is
+    any other step on a model that has it (``revert`` first). The object you hold, its names and
+    its ``state_dict`` stay the same; a copy of the model (``copy.deepcopy``, ``torch.save``) is
+    compiled too; ``revert`` removes it and the model runs eagerly again. Not lossy.
+
+    Example::
+
+        >>> sw.apply(model, sw.Plan([sw.checkpoint(r"layer[12]"), sw.compile(memory_budget=0.5)]))
+        >>> model._compiled_call_impl is not None, list(model.state_dict())[0]
+        (True, 'conv1.weight')
+    """
+
+    name = "compile"
+    order = 90
+    last = True
+
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    memory_budget: float | None = None
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field, value, kinds, what in (
+            ("mode", self.mode, (str, type(None)), "a str or None"),
+            ("fullgraph", self.fullgraph, (bool,), "True or False"),
+            ("dynamic", self.dynamic, (bool, type(None)), "True, False or None"),
+            ("backend", self.backend, (str,), "a backend's name, a str"),
+        ):
+            if not isinstance(value, kinds):
+                raise TypeError(wrong("compile()", f"{field}= {what}", value))
+        budget = self.memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+                raise TypeError(wrong("compile()", "memory_budget= a float in (0, 1] or None", budget))
+            if not 0 < budget <= 1:
+                raise ValueError(f"shrinkwrap: compile() takes memory_budget= a float in (0, 1] or None; got {budget!r}")
+            if self.backend in _NO_BUDGET:
+                raise ValueError(
+                    f"shrinkwrap: compile(backend={self.backend!r}) does not partition by memory budget, so "
+                    f"memory_budget={budget!r} would do nothing. Use backend 'inductor' (or "
+                    "'aot_eager_decomp_partition'), or leave memory_budget out."
+                )
+            object.__setattr__(self, "memory_budget", float(budget))  # 1 and 1.0 are one step
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The arguments of ``torch.compile`` for this step."""
+        kwargs: dict[str, Any] = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.memory_budget is None:
+            return {**kwargs, "backend": self.backend, "mode": self.mode}
+        return {**kwargs, "backend": _Budgeted(self.backend, self.mode, self.dynamic, self.memory_budget)}
+
+    def conflict(self, other: Step) -> str | None:
+        if isinstance(other, Compile) and other != self:
+            return "a model is compiled once; keep one compile step"
+        return None
+
+    def targets(self, model: nn.Module) -> Targets:
+        """The root (""), or nothing if this step already compiled it."""
+        if self in applied_steps(model):
+            return Targets([], [("", "already compiled")])
+        if model.__dict__.get("_compiled_call_impl") is not None:
+            raise ValueError(
+                f"shrinkwrap: {self}: {type(model).__name__} is already compiled in place "
+                "(nn.Module.compile), and this step would replace that. Leave this step out, or "
+                "apply it to the model before compiling it yourself."
+            )
+        return Targets([""])
+
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        return [CompiledCall(self, model)] if targets.matched else []

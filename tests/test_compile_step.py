@@ -1,0 +1,224 @@
+"""The compile(...) plan step: torch.compile in place, last in a plan, memory budget per model."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import shrinkwrap as sw
+from shrinkwrap.plan import PlanError
+
+from toymodels import net64
+
+EAGER = "aot_eager"  # no C++ compiler needed; the same ops as eager
+MINCUT = "aot_eager_decomp_partition"  # min-cut partitioner, which honours the memory budget
+
+
+class MLP(nn.Module):
+    """Elementwise ops between the linears: what the min-cut partitioner may recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.sin(h) * torch.cos(h) + torch.tanh(h)
+        h = self.b(h)
+        h = torch.sigmoid(h) * h + torch.exp(-h * h)
+        return self.c(h)
+
+
+class OtherMLP(MLP):
+    """The same graph, another class: dynamo compiles it anew instead of reusing MLP's code."""
+
+
+def _mlp(cls=MLP):
+    torch.manual_seed(0)
+    return cls()
+
+
+def _saved(model):
+    torch.manual_seed(1)
+    return sw.saved_tensor_bytes(lambda: model(torch.randn(32, 64)).sum())
+
+
+def test_compiles_in_place_keeping_the_object_and_its_names():
+    model = _mlp()
+    names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
+    x = torch.randn(4, 64)
+    ref = model(x)
+    counters.clear()
+    assert sw.apply(model, [sw.compile(backend=EAGER)]) is model
+    assert model._compiled_call_impl is not None
+    assert torch.equal(model(x), ref)
+    assert counters["stats"]["unique_graphs"] >= 1  # the call went through dynamo
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
+    model.load_state_dict(_mlp().state_dict())  # no _orig_mod. prefix either way
+    assert sw.records(model)[0].matched == ("",) and sw.records(model)[0].step == sw.compile(backend=EAGER)
+
+
+def _train(plan):
+    model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
+    if plan:
+        sw.apply(model, plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.grad for p in model.parameters()], [b for b in model.buffers()]
+
+
+@pytest.mark.parametrize("before", ["", "checkpoint('layer[12]'), bn_act()"])
+def test_trains_to_the_same_losses_gradients_and_statistics_as_eager(before):
+    counters.clear()
+    compiled = _train(f"{before}, compile(backend='aot_eager')".lstrip(", "))
+    assert counters["aot_autograd"]["ok"] >= 1  # it did compile: the comparison is not eager with eager
+    eager = _train(before)
+    for a, b in zip(eager, compiled):
+        for t, u in zip(a, b):
+            torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("text", [
+    "compile()",
+    "compile(mode='max-autotune', memory_budget=0.5)",
+    "checkpoint('layer1'), compile(fullgraph=True, dynamic=False, backend='aot_eager')",
+])
+def test_plan_text_round_trips(text):
+    plan = sw.Plan.parse(text)
+    assert str(plan) == text and sw.Plan.parse(str(plan)) == plan
+    assert plan.steps[-1] == sw.compile(**{k: getattr(plan.steps[-1], k) for k in ("mode", "fullgraph", "dynamic", "memory_budget", "backend")})
+    assert sw.compile(memory_budget=1) == sw.compile(memory_budget=1.0)
+
+
+def test_a_step_after_compile_is_refused_by_the_plan():
+    with pytest.raises(PlanError, match=r"compile goes last in a plan, but swish\(\) comes after compile\(\)"):
+        sw.Plan([sw.compile(), sw.swish()])
+    with pytest.raises(PlanError, match="compile goes last"):
+        sw.Plan.parse("compile(), checkpoint('layer1')")
+    with pytest.raises(PlanError, match="compile goes last"):
+        sw.Plan([sw.compile()]) + sw.bn_act()
+    with pytest.raises(PlanError, match="a model is compiled once"):
+        sw.Plan([sw.compile(), sw.compile(mode="max-autotune")])
+    assert len(sw.Plan([sw.swish(), sw.compile()])) == 2
+
+
+def test_a_compiled_model_refuses_other_steps_until_reverted():
+    model = net64()
+    sw.apply(model, "compile(backend='aot_eager')")
+    for apply in (lambda: sw.apply(model, "checkpoint('layer1')"),
+                  lambda: sw.apply(model, "bn_act(), compile(backend='aot_eager')"),
+                  lambda: sw.apply_checkpoint(model, "layer1"),
+                  lambda: sw.apply(model, "compile(backend='aot_eager', fullgraph=True)")):
+        with pytest.raises(ValueError, match=r"already has compile\(backend='aot_eager'\): compile goes last"):
+            apply()
+    assert type(model.layer1).__name__ == "Block" and len(sw.records(model)) == 1
+    sw.apply(model, "compile(backend='aot_eager')")  # the same step again: nothing to do
+    assert len(sw.records(model)) == 1
+    sw.revert(model)
+    sw.apply(model, "checkpoint('layer1'), compile(backend='aot_eager')")
+    assert isinstance(model.layer1, sw.CheckpointModule) and model._compiled_call_impl is not None
+
+
+def test_revert_removes_it():
+    model = net64()
+    sw.apply(model, "checkpoint('layer1'), compile(backend='aot_eager')")
+    model(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    sw.revert(model)
+    assert model._compiled_call_impl is None and "_compiled_call_impl" not in model.__dict__
+    assert type(model.layer1).__name__ == "Block" and sw.records(model) == []
+    counters.clear()
+    model(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    assert not counters["stats"]  # eager again: dynamo saw nothing
+
+
+def test_a_model_compiled_by_hand_is_refused():
+    model = _mlp()
+    model.compile(backend=EAGER)
+    with pytest.raises(ValueError, match=r"already compiled in place \(nn.Module.compile\)"):
+        sw.apply(model, [sw.compile(backend=EAGER)])
+    assert sw.records(model) == []
+
+
+def _copies(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return copy.deepcopy(model), torch.load(buf, weights_only=False)
+
+
+def test_copies_of_a_compiled_model_are_compiled_too():
+    model = _mlp()
+    sw.apply(model, [sw.compile(backend=EAGER)])
+    x = torch.randn(4, 64)
+    ref = model(x)
+    for other in _copies(model):  # PyTorch drops the compiled call when it copies a module
+        assert other._compiled_call_impl is not None and other._compiled_call_impl is not model._compiled_call_impl
+        assert [r.step for r in sw.records(other)] == [sw.compile(backend=EAGER)]
+        assert list(other.state_dict()) == list(model.state_dict())
+        torch.testing.assert_close(other(x), ref, rtol=0, atol=0)
+        sw.revert(other)
+        assert other._compiled_call_impl is None
+    assert model._compiled_call_impl is not None  # reverting a copy leaves the original compiled
+
+
+def test_memory_budget_applies_to_its_model_only():
+    global_budget = torch._functorch.config.activation_memory_budget
+    default = _mlp()
+    sw.apply(default, [sw.compile(backend=MINCUT)])
+    full = _saved(default)  # compiled first: dynamo would share this code with the models below
+    budgeted = _mlp()
+    sw.apply(budgeted, [sw.compile(memory_budget=0.05, backend=MINCUT)])
+    assert _saved(budgeted) < 0.75 * full  # the budget changed what is saved for backward
+    assert torch._functorch.config.activation_memory_budget == global_budget  # nothing left behind
+    after = _mlp(OtherMLP)
+    after.compile(backend=MINCUT)  # compiled by hand, anew, after the budgeted one: by default
+    assert _saved(after) == full
+    one = _mlp()
+    sw.apply(one, [sw.compile(memory_budget=1.0, backend=MINCUT)])
+    assert _saved(one) == full  # 1.0 is the default strategy
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"memory_budget": 0}, ValueError, r"memory_budget= a float in \(0, 1\] or None; got 0"),
+    ({"memory_budget": 1.5}, ValueError, "got 1.5"),
+    ({"memory_budget": "0.5"}, TypeError, "got str '0.5'"),
+    ({"memory_budget": True}, TypeError, "got bool True"),
+    ({"memory_budget": 0.5, "backend": "aot_eager"}, ValueError, "would do nothing"),
+    ({"mode": 3}, TypeError, "mode= a str or None; got int 3"),
+    ({"fullgraph": None}, TypeError, "fullgraph= True or False; got None"),
+    ({"backend": len}, TypeError, "backend= a backend's name"),
+])
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        sw.compile(**kwargs)
+
+
+def test_not_lossy_goes_last_and_offers_autoplan_nothing():
+    assert not sw.compile.lossy and sw.compile.last
+    assert sw.registered()[-1] is sw.compile
+    assert sw.compile.candidates(_mlp(), sw.step.Context()) == []
+
+
+@pytest.mark.cuda
+def test_memory_budget_with_inductor_on_cuda():
+    def saved(model):
+        torch.manual_seed(1)
+        x = torch.randn(512, 64, device="cuda")
+        return sw.saved_tensor_bytes(lambda: model(x).sum())
+
+    full, budgeted = _mlp().cuda(), _mlp().cuda()
+    sw.apply(full, [sw.compile()])
+    sw.apply(budgeted, [sw.compile(memory_budget=0.05)])
+    assert saved(budgeted) < 0.75 * saved(full)
