@@ -1,0 +1,129 @@
+"""Compiled plans against torch.compile + bf16, one model per run, every row in the same process.
+
+    python benchmarks/compiled.py --model resnet18 [--rounds 5] [--json out.json]
+
+Each configuration is built, transformed, compiled (inductor, default mode) and measured by
+``shrinkwrap.measure`` for memory (activation = steady-state peak - allocated before it; the other
+configurations' weights lie in memory meanwhile, which the difference leaves out) and dynamo's
+graph breaks. Step times come from ``shrinkwrap.time_interleaved``: every configuration in turns,
+``--rounds`` rounds, so drift of the shared GPU falls on all alike; each time is the median of
+the rounds with the fastest and slowest round beside it. Ratios are against fp32 eager and
+against ``compile + bf16`` (the user's hand recipe: ``torch.compile`` of the model with
+``torch.autocast`` around its forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from run import MODELS, SEQ, HandAutocast, _load, build  # noqa: E402
+
+# Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
+PLANS: dict[str, dict[str, str]] = {
+    "resnet18": {
+        "sw_bf16_cl": r"channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
+    },
+    "efficientnet_b0": {
+        "sw_bn_act_bf16": r"bn_act(), autocast(torch.bfloat16), compile()",
+        "sw_bn_act_bf16_cl": r"bn_act(), channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'features\.[1-7]\.\d+'), bn_act(), channels_last(), "
+                                  r"autocast(torch.bfloat16), compile()",
+    },
+    "resnet152": {
+        "sw_bf16_cl": r"channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
+    },
+    "bert": {
+        "sw_ckpt_blocks_bf16": r"checkpoint(r'bert\.encoder\.layer\.\d+'), autocast(torch.bfloat16), compile()",
+    },
+    "gpt2": {
+        "sw_ckpt_blocks_bf16": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16, keep_output_dtype=True), "
+                               r"compile()",
+    },
+}
+
+
+def configurations(model_name: str) -> dict[str, Callable[[], nn.Module]]:
+    def hand_compile_bf16() -> nn.Module:
+        return torch.compile(HandAutocast(build(model_name)))
+
+    def plan(text: str) -> Callable[[], nn.Module]:
+        return lambda: sw.apply(build(model_name), text)
+
+    return {"fp32_eager": lambda: build(model_name), "compile_bf16": hand_compile_bf16,
+            **{name: plan(text) for name, text in PLANS[model_name].items()}}
+
+
+def run(model_name: str, rounds: int) -> list[dict[str, Any]]:
+    _, batch = _load(model_name, MODELS[model_name][1])
+    options = sw.Options(device="cuda", iterations=3, warmup=3)
+    models, rows = {}, []
+    for name, make in configurations(model_name).items():
+        model = make()
+        try:
+            prof = sw.measure(model, batch, iterations=options.iterations, warmup=options.warmup, device="cuda")
+        except torch.cuda.OutOfMemoryError as exc:
+            rows.append({"model": model_name, "config": name, "error": str(exc).splitlines()[0]})
+            continue
+        models[name] = model
+        rows.append({"model": model_name, "config": name, "plan": PLANS[model_name].get(name),
+                     "activation_mib": round((prof.peak - prof.static) / 2**20, 1),
+                     "peak_mib": round(prof.peak / 2**20, 1), "graph_breaks": prof.graph_breaks,
+                     "recompiles": prof.recompiles, "first_ms": round(prof.first_ms, 1)})
+        print(f"measured {name}", file=sys.stderr, flush=True)
+    times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=5)
+    for row in rows:
+        t = times.get(row["config"])
+        if t is not None:
+            row.update(step_ms=round(t.median, 2), step_ms_low=round(min(t.rounds_ms), 2),
+                       step_ms_high=round(max(t.rounds_ms), 2))
+        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
+                   batch=MODELS[model_name][1], seq=SEQ.get(model_name))
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by = {r["config"]: r for r in rows if "error" not in r}
+    base, anchor = by.get("fp32_eager"), by.get("compile_bf16")
+    lines = ["| model | configuration | activation MiB | x fp32 | x compile+bf16 | step ms (rounds low-high) | "
+             "x fp32 | x compile+bf16 | graph breaks |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['config']} | {r['error']} |||||||")
+            continue
+        ratio = lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref and ref.get(key) else "-"  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {r['config']} | {r['activation_mib']} | {ratio('activation_mib', base)} | "
+            f"{ratio('activation_mib', anchor)} | {r.get('step_ms', '-')} ({r.get('step_ms_low')}-{r.get('step_ms_high')}) | "
+            f"{ratio('step_ms', base)} | {ratio('step_ms', anchor)} | {r['graph_breaks'] if r['graph_breaks'] is not None else '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(PLANS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    args = parser.parse_args()
+    rows = run(args.model, args.rounds)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
