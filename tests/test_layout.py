@@ -1,4 +1,4 @@
-"""channels_last (issue "torch.compile-native plans"), on CPU: layout, exactness, revert, plans, compile."""
+"""channels_last, on CPU: layout, exactness, revert, plans, compile."""
 
 import copy
 import io

@@ -1,4 +1,4 @@
-"""autocast and half (issue 4), on CPU: memory saved, tolerance, names, revert, plans, composition."""
+"""autocast and half, on CPU: memory saved, tolerance, names, revert, plans, composition."""
 
 import collections
 import copy

@@ -1,4 +1,4 @@
-"""On the GPU (issue 4): autocast and half on torchvision resnet18 at batch 128, Adam."""
+"""On the GPU: autocast and half on torchvision resnet18 at batch 128, Adam."""
 
 import gc
 
