@@ -73,3 +73,28 @@ def test_a_hook_returning_a_new_state_dict_is_honoured():
     net[1]._register_state_dict_hook(rename)
     sw.apply(net, sw.checkpoint("1"))
     assert "1.extra" in net.state_dict()
+
+
+def test_attributes_a_library_sets_through_the_wrapper_reach_the_wrapped_module():
+    class Layer(nn.Module):  # Hugging Face's GradientCheckpointingLayer, reduced to what matters
+        gradient_checkpointing = False
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(self.lin, x, use_reentrant=False)
+            return self.lin(x)
+
+    net = nn.Sequential(Layer())
+    layer = net[0]
+    sw.apply(net, sw.checkpoint("0"))
+    for module in net.modules():  # what gradient_checkpointing_enable() does
+        if hasattr(module, "gradient_checkpointing"):
+            module._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint
+            module.gradient_checkpointing = True
+    net(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert layer.gradient_checkpointing and "_gradient_checkpointing_func" in layer.__dict__
+    assert "_gradient_checkpointing_func" not in net[0].__dict__

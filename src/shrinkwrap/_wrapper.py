@@ -14,9 +14,12 @@ from typing import Any, Iterator
 
 import torch.nn as nn
 
-# Attributes that belong to the wrapper itself; any other attribute set on a wrapper is set on
-# the wrapped module, where its forward will read it.
-_OWN = ("training",)
+# Attributes that belong to the wrapper itself: what every nn.Module has, torch.compile's compiled
+# call, and shrinkwrap's own (_sw_*). Any other attribute set on a wrapper is set on the wrapped
+# module, where its forward reads it: Hugging Face's gradient_checkpointing_enable() sets
+# `_gradient_checkpointing_func` and `gradient_checkpointing` on each layer it finds, and both must
+# land on the layer.
+_OWN = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 # The module's tree and its state_dict hooks, shared with the wrapper: a hook that a library
 # (sharding, quantization, tied weights) registered on the module before or after wrapping still
 # runs, and still sits on the module after revert. Load post-hooks are the exception (see
@@ -69,7 +72,7 @@ class TransparentWrapper(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self.__dict__.get("_sw_inner")
-        if inner is None or name.startswith("_") or name in _OWN:
+        if inner is None or name.startswith("_sw_") or name in _OWN:
             super().__setattr__(name, value)
         else:
             setattr(inner, name, value)
