@@ -120,9 +120,21 @@ def test_copies_of_a_transformed_model_train_like_the_original(v, how):
     check_copy(case(v), how, reference(case(v)))
 
 
+def _build_no_randomness(v: Vision, seed: int = 0) -> nn.Module:
+    """The model with its random modules (dropout, drop path, stochastic depth) in eval mode and
+    BatchNorm still training. On CUDA a compiled graph draws its random numbers otherwise than
+    eager (in forward and its recompute alike), so compiled and eager are compared without them."""
+    model = _build(v, seed)
+    for m in model.modules():
+        if "drop" in type(m).__name__.lower() or type(m).__name__ == "StochasticDepth":
+            m.eval()
+    return model
+
+
 @params
 def test_torch_compile_aot_eager_trains_like_eager(v):
-    assert_same(reference(case(v), STEPS[:1]), compiled_step(case(v))[0], **ROUNDING)
+    c = dataclasses.replace(case(v), build=functools.partial(_build_no_randomness, v), dropout=False)
+    assert_same(reference(c, STEPS[:1]), compiled_step(c)[0], **ROUNDING)
 
 
 @params
