@@ -67,11 +67,13 @@ def configurations(model_name: str) -> dict[str, Callable[[], nn.Module]]:
             **{name: plan(text) for name, text in PLANS[model_name].items()}}
 
 
-def run(model_name: str, rounds: int) -> list[dict[str, Any]]:
+def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
     _, batch = _load(model_name, MODELS[model_name][1])
     options = sw.Options(device="cuda", iterations=3, warmup=3)
     models, rows = {}, []
     for name, make in configurations(model_name).items():
+        if only and name not in only:
+            continue
         model = make()
         try:
             prof = sw.measure(model, batch, iterations=options.iterations, warmup=options.warmup, device="cuda")
@@ -117,8 +119,9 @@ def main() -> None:
     parser.add_argument("--model", required=True, choices=sorted(PLANS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
     args = parser.parse_args()
-    rows = run(args.model, args.rounds)
+    rows = run(args.model, args.rounds, args.configs.split(",") if args.configs else None)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
