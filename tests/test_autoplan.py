@@ -89,7 +89,7 @@ def test_least_memory_within_a_slowdown():
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)
     singles = [report.value(r) for r in report.rows[1:] if r.role != "chosen"]
     assert report.value(report.rows[-1]) <= min(singles)   # no single candidate does better
-    assert "checkpoint(('1',))" in str(plan)               # the whole stage: the least memory here
+    assert "checkpoint('1')" in str(plan)                 # the whole stage: the least memory here
 
 
 def test_the_largest_batch_that_fits():
@@ -112,3 +112,73 @@ def test_bad_arguments_are_refused():
         sw.autoplan(mlp, BATCH)
     with pytest.raises(ValueError, match="maximize"):
         sw.autoplan(mlp, BATCH, budget=0.5, maximize="fun")
+
+
+class NoRecompute(nn.Module):
+    """A block that cannot run again in backward (it would, checkpointed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("cannot be recomputed")
+        return torch.tanh(self.lin(x))
+
+
+def test_a_failing_candidate_is_a_row_and_a_note_and_the_search_goes_on():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Sequential(NoRecompute(), NoRecompute(), NoRecompute()),
+                             nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), Naive(), nn.Linear(64, 32))
+                                             for _ in range(3)]), nn.Linear(32, 4))
+
+    plan, report = sw.autoplan(make, BATCH, budget=0.6, **FAST)
+    failed = [r for r in report.rows if r.status == "failed"]
+    assert failed and all("cannot be recomputed" in r.error for r in failed)
+    assert any(n.startswith("left:") and "failed (RuntimeError: cannot be recomputed)" in n for n in report.notes)
+    assert not any(s.pattern in (("1",), ("1.0",)) for s in plan if isinstance(s, sw.Checkpoint))
+    sw.apply(make(), plan)(BATCH).sum().backward()  # the answer runs
+
+
+def test_a_model_whose_swish_follows_batchnorm_answers_an_unreachable_budget():
+    def make():
+        torch.manual_seed(0)
+        block = lambda: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), Naive())  # noqa: E731
+        return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(block(), block(), block()), nn.Flatten())
+
+    plan, report = sw.autoplan(make, torch.randn(4, 3, 8, 8), budget=1, **FAST)  # 1 byte: unreachable
+    assert "no plan found within the limits" in " ".join(report.notes)
+    model = sw.apply(make(), plan)
+    model(torch.randn(4, 3, 8, 8)).sum().backward()
+
+
+def test_a_step_whose_modules_an_earlier_step_took_does_nothing_with_a_note():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), Naive())
+    sw.apply(model, [sw.bn_act(), sw.swish()])  # bn_act fuses the Swish that swish() would replace
+    rec = sw.records(model)[-1]
+    assert rec.step == sw.swish() and rec.matched == () and "nothing left to do" in rec.notes[0]
+    with pytest.raises(sw.SelectionError):  # alone, on a model without Swish, it is still an error
+        sw.apply(nn.Sequential(nn.Linear(2, 2)), [sw.swish()])
+    sw.revert(model)
+    assert isinstance(model[2], Naive)
+
+
+def test_chosen_regions_read_as_one_regex_that_selects_exactly_them():
+    def blocks12():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.Tanh(),
+                                                                               nn.Linear(64, 32)) for _ in range(12)]))
+
+    model = blocks12()
+    chosen = [c for c in candidates(model, device="cpu", max_groups=12) if c.covers and c.covers[0].startswith("1.")]
+    from shrinkwrap.autoplan import _plan
+
+    for picked in (chosen, chosen[9:], chosen[2:3]):
+        plan = _plan(picked, model)
+        (step,) = plan.steps
+        assert isinstance(step.pattern, str) and sw.Plan.parse(str(plan)) == plan
+        assert sw.select(model, step.pattern) == [n for c in picked for n in c.covers]
+    assert str(_plan(chosen, model)) == r"checkpoint(r'1\.\d+')"
+    assert str(_plan(chosen[9:], model)) == r"checkpoint(r'1\.(?:9|10|11)')"

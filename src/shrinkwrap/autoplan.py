@@ -80,9 +80,13 @@ def candidates(model: nn.Module, *, allow_lossy: bool = False, device: str | tor
     return [c for cls in registered() for c in cls.candidates(model, context)]
 
 
-def _plan(chosen: list[Candidate]) -> Plan:
-    """The candidates' steps in the order each step class says (checkpoints first, precision last)."""
-    return Plan(sorted((s for c in chosen for s in c.steps), key=lambda s: s.order))
+def _plan(chosen: list[Candidate], model: nn.Module) -> Plan:
+    """The candidates' steps, merged by their class (regions by name become one regex), in the
+    order each step class says (checkpoints first, precision last)."""
+    steps = [s for c in chosen for s in c.steps]
+    classes = registered()
+    merged = [m for cls in classes for m in cls.merge([s for s in steps if type(s) is cls], model)]
+    return Plan(sorted(merged + [s for s in steps if type(s) not in classes], key=lambda s: s.order))
 
 
 # -- choosing -----------------------------------------------------------------------------------------
@@ -131,7 +135,7 @@ class _Rows:
         isolate = isolate and self.cuda  # a subprocess buys nothing without CUDA
         todo = [p for p in plans if (str(p), isolate) not in self.cache]
         if todo:
-            rows = measure_plans(self.make, todo, self.batch, self.options, isolate=isolate).rows
+            rows = measure_plans(self.make, todo, self.batch, self.options, isolate=isolate, keep_going=True).rows
             self.cache.update({(str(p), isolate): row for p, row in zip(todo, rows)})
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
@@ -141,6 +145,7 @@ class _Search:
     """What the stages share: how to measure, the limits, and the baseline they are read against."""
 
     rows: _Rows
+    model: nn.Module  # one fresh model, to read names from (plans are measured on others)
     metric: Callable[[Row], Any]
     base_mem: float
     base_t: float
@@ -180,7 +185,7 @@ class _Search:
         tried: list[Row] = []
         dropped: list[Effect] = []
         for r in range(rounds):
-            plan = _plan([e.candidate for e in chosen])
+            plan = _plan([e.candidate for e in chosen], self.model)
             if progress:
                 progress(done + r, done + rounds, f"verify {plan}")
             row = self.rows([plan], True)[0]
@@ -293,7 +298,8 @@ def autoplan(
     cuda = dev.type == "cuda"
     rows = _Rows(make, batch, options, cuda, {} if cache is None else cache)
 
-    cands = candidates(make(), allow_lossy=allow_lossy, device=dev)
+    probe = make()
+    cands = candidates(probe, allow_lossy=allow_lossy, device=dev)
     if progress:
         progress(0, len(cands) + rounds, "baseline and candidates")
     # Candidates are compared with a baseline measured the same way (in this process unless asked
@@ -312,7 +318,7 @@ def autoplan(
         report.notes = [f"baseline: {base_mem / 2**20:.1f} MiB within the budget of {target / 2**20:.1f} MiB: "
                         "the empty plan"]
         return Plan(), report
-    search = _Search(rows, report.value, base_mem, base_t, target,
+    search = _Search(rows, probe, report.value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch")
 
     in_base, whole_rows = search.base([c for c in cands if not c.covers])

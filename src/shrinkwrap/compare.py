@@ -82,10 +82,11 @@ def _last_record(model: nn.Module, plan: Plan) -> tuple[tuple, tuple]:
     return (rec.matched, rec.skipped) if rec else ((), ())
 
 
-def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
-         snapshot: str | None) -> tuple[Profile | str, tuple, tuple]:
-    """Measure one row: (profile, matched, skipped). Out of memory comes back as the message, in
-    place of the profile, so the report goes on."""
+def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, snapshot: str | None,
+         keep_going: bool = False) -> tuple[Profile | tuple[str, str], tuple, tuple]:
+    """Measure one row: (profile, matched, skipped). Out of memory comes back as ``("oom",
+    message)`` in place of the profile, so the report goes on; with ``keep_going`` any other error
+    too, as ``("failed", message)``."""
     device = torch.device(options.device)
     matched: tuple = ()
     skipped: tuple = ()
@@ -95,13 +96,18 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
         return measure_with(model, batch, options, snapshot), matched, skipped
     except torch.cuda.OutOfMemoryError as exc:
         # "CUDA out of memory. Tried to allocate 2.00 GiB"; the allocator's advice that follows is long.
-        return ". ".join(str(exc).split(". ")[:2]).strip() or "out of memory", matched, skipped
+        return ("oom", ". ".join(str(exc).split(". ")[:2]).strip() or "out of memory"), matched, skipped
+    except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is a row, not the end
+        if not keep_going:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ("failed", f"{type(exc).__name__}: {first}"[:300]), matched, skipped
     finally:
         model = None  # this frame's reference must go before the cache is emptied for the next row
         _clean(device)
 
 
-def _in_subprocess(args: tuple) -> tuple[Profile | str, tuple, tuple]:
+def _in_subprocess(args: tuple) -> tuple[Profile | tuple[str, str], tuple, tuple]:
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_row, *args).result()
 
@@ -126,10 +132,13 @@ def measure_plans(
     snapshot: str | None = None,
     progress: Progress | None = None,
     name: str | None = None,
+    keep_going: bool = False,
 ) -> Report:
     """Measure each plan on a fresh model from ``make`` (see :func:`model_maker`), each in isolation;
     one row per plan, in order (role ``baseline`` for the empty plan, else ``candidate``). A row's
-    ``matched``/``skipped`` are its plan's last step's. Keywords as :func:`plan_report`.
+    ``matched``/``skipped`` are its plan's last step's. Keywords as :func:`plan_report`;
+    ``keep_going``: a plan that fails to apply or to run is a row with status ``failed`` and the
+    error, and the rows after it are measured (autoplan's candidates), instead of the error.
 
     Example::
 
@@ -160,7 +169,7 @@ def measure_plans(
         role = "candidate" if plan.steps else "baseline"
         if progress:
             progress(i, len(plans), str(plan) or "baseline")
-        args = (make, plan, batch, options, _numbered(snapshot, i) if snapshot else None)
+        args = (make, plan, batch, options, _numbered(snapshot, i) if snapshot else None, keep_going)
         if isolate:
             try:
                 result, matched, skipped = _in_subprocess(args)
@@ -171,8 +180,8 @@ def measure_plans(
                 result, matched, skipped = _row(*args)
         else:
             result, matched, skipped = _row(*args)
-        if isinstance(result, str):
-            rows.append(Row(plan, None, matched, skipped, status="oom", error=result, role=role))
+        if isinstance(result, tuple):
+            rows.append(Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role))
         else:
             rows.append(Row(plan, result, matched, skipped, role=role))
     if progress:

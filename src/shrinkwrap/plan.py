@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
-from .select import require_module, wrong
+from .select import SelectionError, require_module, wrong
 from .step import Step, registered, step_class
 
 
@@ -119,10 +119,11 @@ class Plan:
         """Apply every step to ``model`` in place and return it.
 
         Every step to apply is checked against the model first, so a pattern that matches nothing
-        or a module a step cannot handle raises before any module changes. A step that still fails
-        midway (one that depends on what an earlier step of the plan did to the model) reverts the
-        steps already applied. A step already applied to this model is skipped, so applying a plan
-        twice is a no-op.
+        or a module a step cannot handle raises before any module changes. A step whose modules an
+        earlier step of the plan took (``swish()`` after ``bn_act()`` fused every Swish) does
+        nothing, and its record says so in its notes. A step that fails midway otherwise reverts
+        the steps already applied. A step already applied to this model is skipped, so applying a
+        plan twice is a no-op.
         """
         require_module(model, "Plan.apply()")
         done = [r.step for r in _rewrite.records(model)]
@@ -131,8 +132,15 @@ class Plan:
             step.check(model)
         keep = len(_rewrite.records(model))
         try:
-            for step in todo:
-                step.apply(model)
+            for i, step in enumerate(todo):
+                try:
+                    step.apply(model)
+                except SelectionError as exc:
+                    if not i:  # checked on this very model just now: not an earlier step's doing
+                        raise
+                    why = " ".join(str(exc).split()).removeprefix("shrinkwrap: ")
+                    _rewrite.record(model, _rewrite.Record(step, (), (), [], (
+                        f"nothing left to do after the steps before it in the plan: {why}",)))
         except BaseException:
             _rewrite.revert(model, keep=keep)
             raise

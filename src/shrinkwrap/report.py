@@ -14,7 +14,7 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       plan (the row's whole plan as text),
       role ("baseline" | "step" | "candidate" | "chosen" | "batch"), round (autoplan's
         verification round, or null), batch_size and fits (maximize="batch" rows, or null),
-      status ("ok" | "oom"), error (null or the message),
+      status ("ok" | "oom" | "failed"), error (null or the message),
       value_mib (the metric), delta_prev_mib, delta_base_mib, ratio_base,
       step_ms, step_ratio (against the baseline),
       matched[] (module names the step acted on), skipped[] ({module, reason}),

@@ -165,3 +165,34 @@ def select(
             f"{', '.join(_close_names(pattern, names)) or '(the model has no submodules)'}"
         )
     return chosen
+
+
+def pattern_for(model: nn.Module, names: Sequence[str]) -> str:
+    """A full-match regex that selects exactly ``names`` among ``model``'s modules, as short as
+    reads well: the numbered children of one parent as ``layer3\\.\\d+`` when they are all of
+    them, else an alternation (``layer3\\.(?:9|10|11)``); the names themselves, escaped, when
+    nothing shorter selects exactly them.
+
+    Example::
+
+        >>> pattern_for(resnet, ["layer3.0", "layer3.1", "layer4.0", "layer4.1"])
+        'layer3\\.\\d+|layer4\\.\\d+'
+    """
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        groups.setdefault(parent, []).append(leaf)
+    parts = []
+    for parent, leaves in groups.items():
+        prefix = regex.escape(parent) + r"\." if parent else ""
+        siblings = [k for k in model.get_submodule(parent)._modules] if parent or not names else list(model._modules)
+        if all(k.isdigit() for k in siblings) and sorted(leaves) == sorted(siblings):
+            parts.append(prefix + r"\d+")
+        else:
+            alternatives = "|".join(regex.escape(k) for k in leaves)
+            parts.append(prefix + (f"(?:{alternatives})" if len(leaves) > 1 else alternatives))
+    text = "|".join(parts)
+    wanted = sorted(names)
+    if sorted(select(model, text, allow_empty=True)) == wanted:
+        return text
+    return "|".join(regex.escape(n) for n in names)

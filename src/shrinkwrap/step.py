@@ -127,6 +127,12 @@ class Step:
         """What autoplan may try of this step on ``model`` (nothing by default)."""
         return []
 
+    @classmethod
+    def merge(cls, steps: list["Step"], model: nn.Module) -> list["Step"]:
+        """Steps of this class that autoplan chose together, written as few as read well (as they
+        are by default)."""
+        return steps
+
     # -- the template ----------------------------------------------------------------------------
     def check(self, model: nn.Module) -> None:
         """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""

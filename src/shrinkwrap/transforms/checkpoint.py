@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError, require_module
+from ..select import Pattern, SelectionError, pattern_for, require_module
 from ..step import Candidate, Context, Step, Targets
 
 
@@ -230,6 +230,17 @@ class Checkpoint(Step):
         hooks, notes = _cache_hooks(model, targets.matched)
         targets.notes += notes
         return undo + hooks
+
+    @classmethod
+    def merge(cls, steps: list[Step], model: nn.Module) -> list[Step]:
+        """Regions chosen by name become one step with one regex selecting exactly them
+        (``checkpoint(r'layer3\\.\\d+|layer4\\.(?:0|1)')``, not a tuple of names)."""
+        named = [s for s in steps if isinstance(s.pattern, tuple) and all(isinstance(p, str) for p in s.pattern)]
+        if not named or len({s.clone_inputs for s in named}) > 1:
+            return steps
+        names = [n for s in named for n in s.pattern]
+        names.sort(key=[n for n, _ in model.named_modules()].index)
+        return [s for s in steps if s not in named] + [cls(pattern_for(model, names), named[0].clone_inputs)]
 
     @classmethod
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
