@@ -182,3 +182,43 @@ def test_chosen_regions_read_as_one_regex_that_selects_exactly_them():
         assert sw.select(model, step.pattern) == [n for c in picked for n in c.covers]
     assert str(_plan(chosen, model)) == r"checkpoint(r'1\.\d+')"
     assert str(_plan(chosen[9:], model)) == r"checkpoint(r'1\.(?:9|10|11)')"
+
+
+def _effects_table(*rows):
+    """Effects from (name, covers, saving, cost) rows: constructed, not measured."""
+    from shrinkwrap.autoplan import Effect
+    from shrinkwrap.step import Candidate
+
+    return [Effect(Candidate((sw.checkpoint(name),), covers), saving, cost) for name, covers, saving, cost in rows]
+
+
+def test_the_search_finds_the_fastest_set_within_the_budget_where_greedy_orders_miss_it():
+    from shrinkwrap.autoplan import _search
+
+    # The whole stage saves the most, and a greedy order by saving takes it and shuts out the groups;
+    # two groups together fit the budget and are faster.
+    table = _effects_table(("stage", ("s",), 7.0, 9.0), ("a", ("s.0",), 3.0, -2.0), ("b", ("s.1",), 2.3, -1.0),
+                           ("c", ("s.2",), 1.0, 8.0), ("failed", ("t",), 0.0, 0.0))
+    chosen = _search(table, 7.9, 100.0, target=4.2, max_t=None)
+    assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('a')", "checkpoint('b')"]
+    # No set reaches an impossible budget: the smallest set within the time limit.
+    chosen = _search(table, 7.9, 100.0, target=0.1, max_t=110.0)
+    assert [str(e.candidate) for e in chosen] == ["checkpoint('stage')"]
+
+
+def test_the_search_finds_the_smallest_set_within_the_time_limit_where_greedy_orders_miss_it():
+    from shrinkwrap.autoplan import _search
+
+    # Saving per millisecond is equal: greedy by saving takes x (6 MiB) and y no longer fits; y + z save 10.
+    table = _effects_table(("x", ("x",), 6.0, 6.0), ("y", ("y",), 5.0, 5.0), ("z", ("z",), 5.0, 5.0))
+    chosen = _search(table, 20.0, 100.0, target=None, max_t=110.0)
+    assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('y')", "checkpoint('z')"]
+
+
+def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
+    from shrinkwrap.models import tiny_efficientnet
+
+    batch = torch.randn(8, *tiny_efficientnet.input_shape, generator=torch.Generator().manual_seed(0))
+    plan, report = sw.autoplan(tiny_efficientnet, batch, budget=0.3, **FAST)
+    assert not any("no plan found" in n for n in report.notes), report.notes
+    assert sw.saved_tensor_bytes(sw.apply(tiny_efficientnet(), plan), batch) <= 0.3 * report.value(report.rows[0])

@@ -12,8 +12,9 @@ impact" — done for the user, in stages, each a function below:
    best of them within the limits (chosen as in 3.) form a base, and every other candidate is
    measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
    backward and step time).
-3. Candidates are taken greedily by memory saved per millisecond added (free savings first) until
-   the prediction fits; candidates that cover the same modules exclude each other.
+3. The set of candidates is chosen exactly over what was measured (branch and bound): the fastest
+   set predicted to fit the budget, or the smallest within the time limit; candidates that cover
+   the same modules exclude each other.
 4. The chosen plan is measured in a fresh process; where it misses the budget or the slowdown
    limit (savings and costs do not add exactly) it is refined — one more candidate, or the
    costliest dropped, base steps last — and measured again.
@@ -101,28 +102,51 @@ def _effects(cands: list[Candidate], rows: list[Row], base: Row, metric: Callabl
     return out
 
 
-def _greedy(effects: list[Effect], base_mem: float, base_t: float, target: float | None,
+def _search(effects: list[Effect], base_mem: float, base_t: float, target: float | None,
             max_t: float | None) -> list[Effect]:
-    """Candidates to add, predicted by adding their measured savings and costs: taken in order of
-    memory saved per millisecond, and again in order of memory saved, keeping the better pick
-    (within the budget: the faster; otherwise: the smaller). One order alone fails on overlaps: a
-    whole stage that saves the most loses to its cheap single blocks, or the reverse."""
-    picks = []
-    for order in ((lambda e: (-e.efficiency, -e.saving)), (lambda e: (-e.saving, e.cost))):
-        chosen: list[Effect] = []
-        mem, t = base_mem, base_t
-        for e in sorted(effects, key=order):
-            if target is not None and mem <= target:
-                break
-            if e.error or e.saving <= 0 or any(e.candidate.overlaps(c.candidate) for c in chosen):
-                continue
-            if max_t is not None and t + max(e.cost, 0) > max_t:
-                continue
-            chosen.append(e)
-            mem -= e.saving
-            t += e.cost
-        picks.append((target is not None and mem > target, t if target is not None else mem, chosen))
-    return min(picks, key=lambda p: p[:2])[2]
+    """The set of candidates to add, predicted by adding their measured savings and costs, that is
+    best exactly (branch and bound over every set whose candidates cover no module twice):
+
+    - with a ``target``: the fastest set within it (and within ``max_t``); where no set reaches
+      the target, the smallest within ``max_t``;
+    - without: the smallest within ``max_t``, the faster of equals.
+
+    Greedy orders miss sets that exist: a whole stage that saves the most shuts out the groups
+    that, together, fit the budget faster.
+    """
+    usable = sorted((e for e in effects if not e.error and e.saving > 0), key=lambda e: -e.saving)
+    n = len(usable)
+    save_left = [sum(e.saving for e in usable[i:]) for i in range(n + 1)]
+    gain_left = [sum(min(e.cost, 0.0) for e in usable[i:]) for i in range(n + 1)]  # time it could still win back
+
+    def key(mem: float, t: float) -> tuple:
+        if target is not None and mem <= target:
+            return (0, t, mem)
+        return (1, mem, t)
+
+    best: list = [key(base_mem, base_t) if max_t is None or base_t <= max_t else (2,), []]
+
+    def visit(i: int, mem: float, t: float, chosen: list[Effect]) -> None:
+        if (max_t is None or t <= max_t) and key(mem, t) < best[0]:
+            best[:] = [key(mem, t), list(chosen)]
+        if i == n:
+            return
+        lowest_mem, lowest_t = mem - save_left[i], t + gain_left[i]
+        if max_t is not None and lowest_t > max_t:
+            return
+        if best[0][0] == 0 and (lowest_mem > target or lowest_t >= best[0][1]):
+            return  # a set within the budget is known: only a faster one within it can beat it
+        if best[0][0] == 1 and target is not None and lowest_mem > target and lowest_mem >= best[0][1]:
+            return
+        if best[0][0] == 1 and target is None and lowest_mem >= best[0][1]:
+            return
+        e = usable[i]
+        if not any(e.candidate.overlaps(c.candidate) for c in chosen):
+            visit(i + 1, mem - e.saving, t + e.cost, chosen + [e])
+        visit(i + 1, mem, t, chosen)
+
+    visit(0, base_mem, base_t, [])
+    return best[1]
 
 
 class _Rows:
@@ -158,23 +182,33 @@ class _Search:
         return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and (
             self.max_t is None or row.profile.step_ms <= self.max_t)
 
-    def greedy(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
-        return _greedy(effects, mem, t, target, self.max_t)
+    def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
+        return _search(effects, mem, t, target, self.max_t)
 
-    def base(self, whole: list[Candidate]) -> tuple[list[Effect], list[Row]]:
+    def base(self, whole: list[Candidate]) -> tuple[list[Effect], list[Row], Row]:
         """Stage 1: each whole-model step alone; the best of them within the limits (bf16 autocast,
         usually) form the base that every other candidate is then measured on top of, so that what
-        autocast does to a checkpoint's saving and cost is measured, not guessed."""
+        autocast does to a checkpoint's saving and cost is measured, not guessed. Returns the
+        chosen effects, the rows, and the baseline measured as the candidates are."""
         rows = self.rows([Plan()] + [Plan(c.steps) for c in whole], self.isolate_candidates)
         effects = _effects(whole, rows[1:], rows[0], self.metric)
         # Predictions start from the isolated baseline and add the measured deltas: the limits are
         # isolated figures, and a baseline measured in this process can read higher or lower.
-        return self.greedy(effects, self.base_mem, self.base_t, None if self.by_memory else self.target), rows[1:]
+        chosen = self.search(effects, self.base_mem, self.base_t, None if self.by_memory else self.target)
+        return chosen, rows[1:], rows[0]
 
-    def on_top(self, base_steps: tuple, rest: list[Candidate]) -> tuple[list[Effect], list[Row]]:
-        """Stage 2: every other candidate measured on top of the base."""
+    def on_top(self, base_steps: tuple, rest: list[Candidate], baseline: Row) -> tuple[list[Effect], list[Row], float, float]:
+        """Stage 2: the base measured as a whole (steps that absorb each other, swish and bn_act,
+        save less together than their sum), and every other candidate measured on top of it.
+        Returns the effects, the rows, and the base's predicted memory and time."""
         rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], self.isolate_candidates)
-        return _effects(rest, rows[1:], rows[0], self.metric), (rows if base_steps else rows[1:])
+        base = rows[0]
+        if base.profile is None or baseline.profile is None:
+            mem, t = self.base_mem, self.base_t
+        else:
+            mem = self.base_mem + self.metric(base) - self.metric(baseline)
+            t = self.base_t + base.profile.step_ms - baseline.profile.step_ms
+        return _effects(rest, rows[1:], base, self.metric), (rows if base_steps else rows[1:]), mem, t
 
     def verify(self, chosen: list[Effect], in_base: list[Effect], effects: list[Effect], rounds: int,
                progress: Progress | None, done: int) -> list[Row]:
@@ -199,13 +233,15 @@ class _Search:
                 chosen.remove(worst)
                 dropped.append(worst)
                 continue
-            rest = [e for e in effects if e not in chosen and e not in dropped]
+            # Over budget: the best set of what is left that covers nothing chosen, from the verified figures.
+            rest = [e for e in effects if e not in chosen and e not in dropped
+                    and not any(e.candidate.overlaps(c.candidate) for c in chosen)]
             mem = self.metric(row) if row.profile else self.base_mem
-            nxt = self.greedy(rest, mem, row.profile.step_ms if row.profile else self.base_t)
-            nxt = [e for e in nxt if not any(e.candidate.overlaps(c.candidate) for c in chosen)][:1]
+            nxt = self.search(rest, mem, row.profile.step_ms if row.profile else self.base_t,
+                              None if self.by_memory else self.target)
             if not nxt:
                 break
-            chosen.append(nxt[0])
+            chosen += nxt
         return tried
 
     def final(self, tried: list[Row]) -> Row:
@@ -321,14 +357,13 @@ def autoplan(
     search = _Search(rows, probe, report.value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch")
 
-    in_base, whole_rows = search.base([c for c in cands if not c.covers])
+    in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
     base_steps = tuple(s for e in in_base for s in e.candidate.steps)
-    effects, top_rows = search.on_top(base_steps, [c for c in cands if all(c is not e.candidate for e in in_base)])
+    rest = [c for c in cands if all(c is not e.candidate for e in in_base)]
+    effects, top_rows, start_mem, start_t = search.on_top(base_steps, rest, baseline)
     report.rows += [*whole_rows, *top_rows]
-    # Stage 3: the search, predicted from the measured savings and costs.
-    start_mem = base_mem - sum(e.saving for e in in_base)
-    start_t = base_t + sum(e.cost for e in in_base)
-    chosen = in_base + search.greedy(effects, start_mem, start_t, None if search.by_memory else target)
+    # Stage 3: the search, exact over what was measured.
+    chosen = in_base + search.search(effects, start_mem, start_t, None if search.by_memory else target)
     effects = in_base + effects
     tried = search.verify(chosen, in_base, effects, rounds, progress, len(cands))
 
