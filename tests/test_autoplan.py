@@ -222,3 +222,30 @@ def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
     plan, report = sw.autoplan(tiny_efficientnet, batch, budget=0.3, **FAST)
     assert not any("no plan found" in n for n in report.notes), report.notes
     assert sw.saved_tensor_bytes(sw.apply(tiny_efficientnet(), plan), batch) <= 0.3 * report.value(report.rows[0])
+
+
+def test_a_step_time_limit_is_decided_beyond_the_noise():
+    from shrinkwrap.autoplan import within_slowdown
+
+    base = sw.Timing((10.0, 10.1, 9.9))
+    assert within_slowdown(base, sw.Timing((10.2, 10.3, 10.1)), 1.0)          # 1.02x: inside the tolerance
+    assert not within_slowdown(base, sw.Timing((11.0, 11.1, 10.9)), 1.0)      # 1.10x, tight timings: over
+    assert within_slowdown(base, sw.Timing((9.0, 11.0, 13.0)), 1.0)           # 1.10x, but a 36% spread
+    assert not within_slowdown(base, sw.Timing((10.2, 10.3, 10.1)), 1.0, tolerance=0.0)
+
+
+def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
+    import sys
+
+    ap = sys.modules["shrinkwrap.autoplan"]  # the package's name `autoplan` is the function
+    calls = []
+    real = ap.time_interleaved
+
+    def spy(models, *args, **kwargs):
+        calls.append(sorted(models))
+        return real(models, *args, **kwargs)
+
+    monkeypatch.setattr(ap, "time_interleaved", spy)
+    plan, report = sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=100.0, **FAST)
+    assert calls and all(c == ["baseline", "plan"] for c in calls)
+    assert any("timed in turns with it" in n and "within the limit of 100.0x" in n for n in report.notes)

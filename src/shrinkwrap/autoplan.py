@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ._tree import tensors, tree_map
 from .compare import Progress, describe_batch, measure_plans, model_maker
-from .measure.step import LossFn, OptimizerFactory, Options, device_name, resolve_device
+from .measure.step import LossFn, OptimizerFactory, Options, Timing, device_name, resolve_device, time_interleaved
 from .plan import Plan
 from .report import Report, Row
 from .step import Candidate, Context, registered
@@ -149,6 +149,20 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     return best[1]
 
 
+def within_slowdown(baseline: Timing, plan: Timing, max_slowdown: float, tolerance: float = 0.03) -> bool:
+    """Whether ``plan`` runs within ``max_slowdown`` times ``baseline``'s step time, both timed in
+    turns. It is over the limit only beyond the noise: its ratio must exceed the limit by more than
+    ``tolerance`` and more than half the wider spread of the two timings.
+
+    Example::
+
+        >>> within_slowdown(Timing((10.0, 10.2)), Timing((10.3, 10.4)), 1.0)   # 1.03x, inside the noise
+        True
+    """
+    margin = max(tolerance, max(baseline.spread, plan.spread) / 2)
+    return plan.median / baseline.median <= max_slowdown * (1 + margin)
+
+
 class _Rows:
     """Measured rows, each plan measured once (keyed by its text and whether it ran isolated)."""
 
@@ -177,10 +191,32 @@ class _Search:
     max_t: float | None
     isolate_candidates: bool
     by_memory: bool  # maximize="batch": the least memory within max_t, whatever the budget
+    max_slowdown: float | None = None
+    tolerance: float = 0.03
+    ratios: dict = dataclasses.field(default_factory=dict)  # plan text -> (baseline, plan) Timings
+
+    def fits_time(self, row: Row) -> bool:
+        """Within the step-time limit beyond the noise: for a chosen plan, timed in turns with the
+        baseline in one process (:func:`within_slowdown`); else by its own median, with the tolerance."""
+        if self.max_t is None:
+            return True
+        timings = self.ratios.get(str(row.plan))
+        if timings is not None:
+            return within_slowdown(*timings, self.max_slowdown, self.tolerance)
+        return row.profile is not None and row.profile.step_ms <= self.max_t * (1 + self.tolerance)
 
     def fits(self, row: Row) -> bool:
-        return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and (
-            self.max_t is None or row.profile.step_ms <= self.max_t)
+        return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and self.fits_time(row)
+
+    def time_against_baseline(self, plan: Plan) -> None:
+        """Time ``plan`` and the baseline in turns in this process: the ratio a step-time limit is
+        decided on (times from separate processes drift 10-20% on a shared GPU)."""
+        if self.max_t is None or str(plan) in self.ratios:
+            return
+        models = {"baseline": self.rows.make(), "plan": plan.apply(self.rows.make())}
+        timings = time_interleaved(models, self.rows.batch, self.rows.options, rounds=5,
+                                   per_round=self.rows.options.iterations)
+        self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
 
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
         return _search(effects, mem, t, target, self.max_t)
@@ -225,9 +261,11 @@ class _Search:
             row = self.rows([plan], True)[0]
             row.role, row.round = "chosen", r + 1
             tried.append(row)
+            if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
+                self.time_against_baseline(plan)
             if self.fits(row) or self.by_memory:
                 break
-            if row.profile is not None and self.max_t is not None and row.profile.step_ms > self.max_t and chosen:
+            if row.profile is not None and not self.fits_time(row) and chosen:
                 pool = [e for e in chosen if e not in in_base] or chosen
                 worst = max(pool, key=lambda e: e.cost)
                 chosen.remove(worst)
@@ -286,6 +324,7 @@ def autoplan(
     iterations: int = 3,
     warmup: int = 2,
     rounds: int = 4,
+    tolerance: float = 0.03,
     isolate_candidates: bool = False,
     cache: dict | None = None,
     progress: Progress | None = None,
@@ -304,6 +343,9 @@ def autoplan(
             its first dimension) that fits ``budget`` with the least-memory plan within
             ``max_slowdown``.
         loss_fn, optimizer, device, iterations, warmup: as :func:`shrinkwrap.measure`.
+        tolerance: how far over ``max_slowdown`` a plan may time and still count as within it
+            (at least; the timings' own spread widens it). A chosen plan is timed in turns with
+            the baseline in one process, and a step-time limit is decided on that ratio.
         isolate_candidates: measure each candidate in its own process too. By default candidates
             are measured in this process (a fresh model each, caches emptied: seconds instead of
             a process start each), and every chosen plan in a fresh process on CUDA, so the
@@ -355,7 +397,8 @@ def autoplan(
                         "the empty plan"]
         return Plan(), report
     search = _Search(rows, probe, report.value, base_mem, base_t, target,
-                     None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch")
+                     None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
+                     max_slowdown, tolerance)
 
     in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
     base_steps = tuple(s for e in in_base for s in e.candidate.steps)
@@ -373,6 +416,12 @@ def autoplan(
     if search.max_t is not None:
         notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
     notes += _effect_notes(effects, chosen, in_base, base_steps)
+    for row in tried:
+        if str(row.plan) in search.ratios:
+            base_timing, plan_timing = search.ratios[str(row.plan)]
+            notes.append(f"{row.label}: {plan_timing.median / base_timing.median:.3f}x the baseline's step time, "
+                         f"timed in turns with it (spread {base_timing.spread:.1%} and {plan_timing.spread:.1%}): "
+                         f"{'within' if search.fits_time(row) else 'over'} the limit of {max_slowdown}x")
     final = search.final(tried)
     if not search.fits(final):
         notes.append(
