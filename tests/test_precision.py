@@ -408,3 +408,15 @@ def test_half_with_autocast_of_the_same_dtype_and_checkpoint():
     assert model.layer1.bn1.weight.grad.dtype == torch.float32
     sw.revert(model)
     assert {t.dtype for t in model.parameters()} == {torch.float32} and str(model) == str(net())
+
+
+def test_an_output_carrying_its_loss_keeps_its_logits_in_the_half_dtype():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    model = sw.apply(transformers.GPT2LMHeadModel(cfg), [sw.autocast(BF16)])
+    ids = torch.randint(0, 100, (2, 16))
+    with_loss = model(input_ids=ids, labels=ids)
+    assert with_loss.logits.dtype == BF16 and with_loss.loss.dtype == torch.float32  # no float32 copy of the logits
+    with_loss.loss.backward()
+    assert model(input_ids=ids).logits.dtype == torch.float32  # no loss: outputs as float32, as before

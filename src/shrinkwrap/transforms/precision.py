@@ -9,7 +9,8 @@ autocast to 2e-2 (``torch.linalg.norm(out - ref) / torch.linalg.norm(ref)``).
   the modules ``pattern`` selects, under ``torch.autocast`` for the device of its inputs: matmuls
   and convolutions compute in ``dtype`` and save their inputs for backward in ``dtype``, which
   roughly halves activation memory. Parameters stay float32. Floating outputs in ``dtype`` are cast
-  back to float32 unless ``keep_output_dtype=True``.
+  back to float32 unless ``keep_output_dtype=True``, or unless the output carries its loss
+  (Hugging Face with ``labels``): then only the loss is, and the logits stay in ``dtype``.
 - :class:`Half` (``half(dtype, keep=...)``) casts parameters and buffers to ``dtype`` in place
   (the "brute force" ``model.half()``), except the modules ``keep`` selects (normalisation
   layers by default), which stay float32 behind a ``KeepFloat`` wrapper.
@@ -70,8 +71,21 @@ def _region(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) ->
     return torch.autocast(device, dtype=dtype)
 
 
+def _loss(out: Any) -> Any:
+    """The loss an output carries (Hugging Face's ``.loss``, or a dict's ``"loss"``), or None."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
-    return out if keep_output_dtype else _map_floats(out, _cast_to(torch.float32, only=dtype))
+    """Floating outputs in ``dtype`` cast back to float32, unless ``keep_output_dtype``, and
+    unless the output carries its loss: then training reads the loss, and a float32 copy of the
+    logits beside it (a GPT-2 batch's are 785 MiB) would be waste; only the loss is cast."""
+    if keep_output_dtype:
+        return out
+    if _loss(out) is not None:
+        return _map_floats(out, lambda t: t.to(torch.float32) if t is _loss(out) and t.dtype == dtype else t)
+    return _map_floats(out, _cast_to(torch.float32, only=dtype))
 
 
 def _autocast_call(fn: Callable, module: nn.Module, dtype: torch.dtype, keep_output_dtype: bool,
