@@ -19,7 +19,7 @@ def requirements(names: list[str]) -> dict[str, Requirement]:
 def test_the_test_extra_has_the_third_party_models_and_numpy_stays_out():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     test = requirements(project["optional-dependencies"]["test"])
-    assert {"pytest", "transformers", "efficientnet_pytorch"} <= set(test)
+    assert {"pytest", "transformers", "efficientnet_pytorch", "accelerate"} <= set(test)  # accelerate: the Trainer
     # 4.50 is the oldest checked to pass; 5.23 is what pip resolves today.
     assert all(test["transformers"].specifier.contains(v) for v in ("4.50.0", "5.23.0"))
     assert not test["transformers"].specifier.contains("4.49.0")

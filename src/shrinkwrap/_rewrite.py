@@ -9,6 +9,7 @@ hold what :func:`revert` needs to restore the original objects.
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import warnings
 from dataclasses import dataclass, field
@@ -109,6 +110,13 @@ class RootForward:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The forward's own parameters: libraries read them (the Hugging Face Trainer keeps only
+        # the batch columns that model.forward names).
+        previous = self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        return inspect.signature(previous)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

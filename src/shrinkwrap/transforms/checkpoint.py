@@ -17,7 +17,9 @@ fixes what the plain recipe gets wrong:
 - Hugging Face models: the KV cache would be written again by the recompute; a model holding
   checkpoint regions is called with ``use_cache=False`` in training, as HF's own
   ``gradient_checkpointing_enable()`` does (the record's notes say so; ``revert`` undoes it);
-- eval mode, ``no_grad`` and ``inference_mode`` run the module directly, with no checkpoint;
+- eval mode, ``no_grad`` and ``inference_mode`` run the module directly, with no checkpoint, and
+  so does a Hugging Face layer whose own gradient checkpointing is on (``gradient_checkpointing_enable()``,
+  ``TrainingArguments(gradient_checkpointing=True)``): it is checkpointed once, by Hugging Face;
 - under ``torch.compile`` the region is traced into the graph with no break, and the compiler
   recomputes it inside its backward (any AOTAutograd backend: inductor, aot_eager; the debugging
   backend ``"eager"`` would replay BatchNorm updates). A region that writes into a container it
@@ -128,7 +130,10 @@ class CheckpointModule(TransparentWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped
-        if not (self.training and torch.is_grad_enabled()):
+        # A Hugging Face layer with its own gradient checkpointing on (Trainer's
+        # gradient_checkpointing=True) checkpoints itself: the region steps aside, and the layer is
+        # recomputed once, not once inside another recompute.
+        if not (self.training and torch.is_grad_enabled()) or getattr(inner, "gradient_checkpointing", False) is True:
             return inner(*args, **kwargs)
         if torch.compiler.is_compiling():
             # Traced into the graph: the compiler's partitioner recomputes the region inside its
