@@ -291,11 +291,10 @@ class Offload(Step):
                 skipped.append((name, f"inside checkpointed {enclosing!r}: recomputed, not saved"))
             else:
                 keep.append(name)
-        notes = []
         if self.keep_last and keep:
             skipped.append((keep[-1], "the last region: backward needs it first, it stays on the device"))
             keep = keep[:-1]
-        return Targets(keep, skipped, notes=notes)
+        return Targets(keep, skipped)
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         schedule = _Schedule()
