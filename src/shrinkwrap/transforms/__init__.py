@@ -3,7 +3,7 @@
 
 import importlib
 
-FAMILIES = ("checkpoint", "activations", "precision", "layout", "compile")
+FAMILIES = ("checkpoint", "activations", "precision", "layout", "lm_head", "compile")
 
 __all__: list[str] = []
 for _family in FAMILIES:
