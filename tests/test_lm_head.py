@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shrinkwrap as sw
 
@@ -207,9 +208,24 @@ def test_soft_capping_as_gemma2():
         torch.testing.assert_close(grads[name], ref_grads[name], **EXACT, msg=name)
 
 
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matmuls run inside it, and their output widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: dict[int, set] = {}  # output width: dtypes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes.setdefault(out.shape[-1], set()).add(out.dtype)
+        return out
+
+
 @pytest.mark.parametrize("chunked_first", [True, False])
 def test_composes_with_checkpoint_and_autocast(chunked_first):
-    model, batch = _llama(), _batch()
+    VOCAB = 96  # no other matmul of the model is this wide
+    model, batch = _llama(VOCAB), _batch(VOCAB)
     model.float()
     plain = copy.deepcopy(model)
     steps = [sw.chunked_loss(chunk_size=7), sw.autocast(torch.bfloat16)]
@@ -218,12 +234,14 @@ def test_composes_with_checkpoint_and_autocast(chunked_first):
     torch.manual_seed(5)
     ref = plain(**batch).loss
     torch.manual_seed(5)
-    loss = model(**batch).loss
+    with _MatmulDtypes() as seen:
+        loss = model(**batch).loss
     assert loss.dtype == torch.float32
+    # The chunks' matmuls ran under autocast: the chunked forward sits under autocast's.
+    assert seen.dtypes[VOCAB] == {torch.bfloat16}
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    # The chunk matmuls ran under autocast: the chunked forward sits under autocast's.
     sw.revert(model)
     assert "forward" not in model.__dict__ and "_get_name" not in model.__dict__
 
@@ -233,7 +251,7 @@ def test_compiled_trains_a_step_as_eager():
     sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=7)]))
     twin = copy.deepcopy(model)
     eager_loss, eager_grads = _loss_and_grads(model, lambda: model(**batch).loss)
-    compiled = torch.compile(twin, backend="aot_eager")
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)  # no graph break
     loss, grads = _loss_and_grads(twin, lambda: compiled(**batch).loss)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-9, atol=1e-12)
     for name in grads:

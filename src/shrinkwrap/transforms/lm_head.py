@@ -91,6 +91,8 @@ class _ChunkedLossForward(_rewrite.RootForward):
         super().__init__(module)
         self.chunk_size, self.softcap, self.output = chunk_size, softcap, output
         self.signature = inspect.signature(type(module).forward)
+        # Found here, not in the call: dynamo cannot trace dataclasses.fields of a class.
+        self.fields = tuple(f.name for f in dataclasses.fields(output) if f.name not in ("loss", "logits"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.module
@@ -117,9 +119,8 @@ class _ChunkedLossForward(_rewrite.RootForward):
         head = model.lm_head
         loss = chunked_cross_entropy(hidden, head.weight, head.bias, shift_labels, chunk_size=self.chunk_size,
                                      softcap=self.softcap, num_items_in_batch=extra.get("num_items_in_batch"))
-        fields = {f.name for f in dataclasses.fields(self.output)} - {"loss", "logits"}
         out = self.output(loss=loss, logits=None,
-                          **{k: getattr(base_out, k) for k in fields if getattr(base_out, k, None) is not None})
+                          **{k: getattr(base_out, k) for k in self.fields if getattr(base_out, k, None) is not None})
         return out if return_dict else out.to_tuple()
 
 
