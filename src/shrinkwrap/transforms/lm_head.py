@@ -1,0 +1,273 @@
+"""The output head of causal language models: ``chunked_loss`` computes the head and the loss
+chunk by chunk over tokens, never materialising the full batch x sequence x vocabulary logits.
+
+:class:`ChunkedLoss` (``chunked_loss(chunk_size=1024)``) acts on a Hugging Face ``*ForCausalLM``
+(any model whose forward is ``hidden = base_model(...).last_hidden_state; logits =
+lm_head(hidden); loss = loss_function(logits, labels, ...)``, ``lm_head`` an ``nn.Linear``). In
+training, called with ``labels``, the model's forward runs its base model as its own forward
+would, then computes the loss over ``chunk_size`` tokens at a time: each chunk's logits
+(``hidden_chunk @ W.T + b``, soft-capped where the config has ``final_logit_softcapping``) go
+straight into a summed cross-entropy inside a ``torch.utils.checkpoint`` region, so autograd
+keeps only the chunk's hidden states and the backward recomputes one chunk's logits at a time.
+What the forward leaves for backward loses the logits and their log-softmax (``2 x tokens x
+vocab`` floats, and more under autocast).
+
+Exact, not bit for bit: the same label shift (or ``shift_labels``), ``ignore_index=-100``, mean
+over the counted tokens or the sum over ``num_items_in_batch`` (HF's gradient accumulation),
+tied embeddings (the gradient of the shared weight gets both uses), and soft-capping, as the
+model's own loss; sums run in another order, so float64 agrees to ``rtol=1e-12``. One deliberate
+difference: HF computes its loss in float32 (``logits.float()``) even in a float64 model; the
+chunked loss is computed in the wider of float32 and the logits' dtype, so a float64 model gets
+a float64 loss (the tests compare against the model's float64 logits and ``cross_entropy``).
+Under autocast the chunk matmuls run in the autocast dtype and the loss in float32, as HF's.
+
+In chunked training the output's ``logits`` is None (they were never whole): a user who needs
+them turns the step off (``sw.revert``) or calls in ``eval()``. Without labels, in ``eval()``,
+or with ``logits_to_keep`` set, the model's own forward runs, unchanged.
+
+The step's forward is set on the root (``_rewrite.RootForward``) and goes under every other
+root forward (autocast, whatever the order of the plan), so autocast covers the base model and
+the chunks, and torch.compile traces it into the model's graph.
+"""
+
+from __future__ import annotations
+
+__all__ = ['ChunkedLoss', 'apply_chunked_loss']
+
+import dataclasses
+import inspect
+import typing
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from .. import _rewrite
+from ..select import SelectionError, require_module
+from ..step import Candidate, Context, Step, Targets, applied_steps
+
+IGNORE_INDEX = -100
+# Words in a forward's source that mean something happens to the logits that this step does not do.
+_UNHANDLED = ("logit_scale", "logits_scaling", "multiplier", "logits_scale")
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy of one chunk: its logits live only inside this function."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          shift_labels: torch.Tensor, *, chunk_size: int = 1024, softcap: float | None = None,
+                          num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Cross-entropy of ``linear(hidden, weight, bias)`` against ``shift_labels`` (already shifted,
+    one per row of ``hidden``), ``chunk_size`` rows at a time, each chunk recomputed in backward.
+    The sum over counted rows divided by their number, or by ``num_items_in_batch`` when given."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    shift_labels = shift_labels.reshape(-1).to(hidden.device)
+    total = None
+    for h, y in zip(hidden.split(chunk_size), shift_labels.split(chunk_size)):
+        part = torch.utils.checkpoint.checkpoint(
+            _chunk_loss, h, weight, bias, y, softcap, ignore_index, use_reentrant=False, preserve_rng_state=False)
+        total = part if total is None else total + part
+    if num_items_in_batch is None:
+        return total / (shift_labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class _ChunkedLossForward(_rewrite.RootForward):
+    """The root's forward: in training with labels, base model + chunked loss; otherwise what ran
+    before, untouched."""
+
+    def __init__(self, module: nn.Module, chunk_size: int, softcap: float | None, output: type) -> None:
+        super().__init__(module)
+        self.chunk_size, self.softcap, self.output = chunk_size, softcap, output
+        self.signature = inspect.signature(type(module).forward)
+        # Found here, not in the call: dynamo cannot trace dataclasses.fields of a class.
+        self.fields = tuple(f.name for f in dataclasses.fields(output) if f.name not in ("loss", "logits"))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.module
+        bound = self.signature.bind(model, *args, **kwargs)
+        named = dict(bound.arguments)
+        named.pop(next(iter(named)))  # self
+        extra = {}
+        for p in self.signature.parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                extra = named.pop(p.name, {})
+        labels, keep = named.get("labels"), named.get("logits_to_keep", 0)
+        if not model.training or labels is None or not (isinstance(keep, int) and keep == 0):
+            return self.inner(*args, **kwargs)
+        named.pop("labels")
+        named.pop("logits_to_keep", None)
+        return_dict = extra.pop("return_dict", named.pop("return_dict", None))
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        base_out = model.base_model(**named, **extra)  # as the model's own forward calls it
+        hidden = base_out.last_hidden_state if hasattr(base_out, "last_hidden_state") else base_out[0]
+        shift_labels = extra.get("shift_labels")
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        head = model.lm_head
+        loss = chunked_cross_entropy(hidden, head.weight, head.bias, shift_labels, chunk_size=self.chunk_size,
+                                     softcap=self.softcap, num_items_in_batch=extra.get("num_items_in_batch"))
+        out = self.output(loss=loss, logits=None,
+                          **{k: getattr(base_out, k) for k in self.fields if getattr(base_out, k, None) is not None})
+        return out if return_dict else out.to_tuple()
+
+
+def _output_class(model: nn.Module) -> type:
+    """The ModelOutput class the model's forward returns (from its annotation), or
+    ``CausalLMOutputWithPast``."""
+    try:
+        hint = typing.get_type_hints(type(model).forward).get("return")
+    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back
+        hint = None
+    for cls in (hint, *typing.get_args(hint)):
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and {"loss", "logits"} <= {
+                f.name for f in dataclasses.fields(cls)}:
+            return cls
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # an HF model: transformers is there
+    return CausalLMOutputWithPast
+
+
+@dataclasses.dataclass
+class _Unlink:
+    """Undo entry: take the step's forward out of the root's chain of forwards, wherever other
+    steps put theirs around it, and give the root its previous label."""
+
+    forward: _ChunkedLossForward
+    label: Any = None
+
+    def undo(self, model: nn.Module) -> None:
+        ours = self.forward
+        if model.__dict__.get("forward") is ours:
+            if ours.previous is None:
+                model.__dict__.pop("forward", None)
+            else:
+                model.__dict__["forward"] = ours.previous
+        else:
+            current = model.__dict__.get("forward")
+            while isinstance(current, _rewrite.RootForward):
+                if current.previous is ours:
+                    current.previous = ours.previous
+                    break
+                current = current.previous
+        if self.label is None:
+            model.__dict__.pop("_get_name", None)
+        else:
+            model.__dict__["_get_name"] = self.label
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedLoss(Step):
+    """Step: a causal language model's head and loss, computed ``chunk_size`` tokens at a time in
+    training with ``labels``, never materialising the full logits. See the module docstring for
+    what is exact and what the model returns.
+
+    Refused (``SelectionError``, naming the model and the fix): a model without an ``lm_head``
+    ``nn.Linear`` and a base model (``base_model``) under it, with a loss other than HF's causal
+    LM loss (``loss_type``, a ``loss_function`` set by the user), or whose forward scales the
+    logits (``logit_scale``, ``logits_scaling``, a multiplier) in a way this step does not do.
+    ``final_logit_softcapping`` (Gemma 2 and 3) is applied per chunk. Names, ``state_dict`` keys
+    and parameters do not change; ``revert`` gives the model's own forward back.
+
+    Example::
+
+        >>> model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=512), sw.autocast(torch.bfloat16)]))
+        >>> out = model(input_ids, attention_mask=mask, labels=input_ids)
+        >>> out.loss.backward()     # out.logits is None in chunked training
+    """
+
+    chunk_size: int = 1024
+    name = "chunked_loss"
+    order = 60
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"shrinkwrap: chunked_loss(chunk_size={self.chunk_size!r}): chunk_size is a number "
+                             f"of tokens, a positive int (e.g. 1024).")
+
+    def targets(self, model: nn.Module) -> Targets:
+        """Matched: the root (its forward) and ``lm_head``; payload: the soft-capping value."""
+        what = type(model).__name__
+        for done in applied_steps(model):
+            if isinstance(done, ChunkedLoss):
+                if done != self:
+                    raise ValueError(f"shrinkwrap: cannot apply {self} to {what}, which already has {done}. "
+                                     f"Call shrinkwrap.revert(model) first.")
+                return Targets()  # applied already
+        head, base, config = (getattr(model, a, None) for a in ("lm_head", "base_model", "config"))
+        if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model or config is None:
+            raise SelectionError(
+                f"shrinkwrap: chunked_loss() needs a causal language model with an nn.Linear `lm_head`, a base "
+                f"model (`base_model`) under it and a `config`, as Hugging Face's *ForCausalLM have; {what} has "
+                f"lm_head={type(head).__name__}. Leave chunked_loss() out of the plan for it.")
+        if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+            raise SelectionError(
+                f"shrinkwrap: chunked_loss() computes Hugging Face's causal LM loss, but {what} has "
+                f"loss_type={getattr(model, 'loss_type', None)!r} or a loss_function of its own. Leave "
+                f"chunked_loss() out of the plan, or use the model's default loss.")
+        try:
+            source = inspect.getsource(type(model).forward)
+        except (OSError, TypeError):
+            source = ""
+        if "self.lm_head(" not in source or "loss_function(" not in source:
+            raise SelectionError(
+                f"shrinkwrap: chunked_loss() cannot tell how {what}.forward computes its logits and loss (it "
+                f"expects `self.lm_head(...)` and `self.loss_function(...)`, as Hugging Face's *ForCausalLM). "
+                f"Leave chunked_loss() out of the plan for it.")
+        scaled = [w for w in _UNHANDLED if w in source]
+        if scaled:
+            raise SelectionError(
+                f"shrinkwrap: {what}.forward changes its logits ({', '.join(scaled)}) in a way chunked_loss() "
+                f"does not reproduce, so its loss would differ. Leave chunked_loss() out of the plan for it.")
+        softcap = getattr(config, "final_logit_softcapping", None) if "final_logit_softcapping" in source else None
+        return Targets(["", "lm_head"], payload=softcap)
+
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        if not targets.matched:
+            return []
+        forward = _ChunkedLossForward(model, self.chunk_size, targets.payload, _output_class(model))
+        entry = _Unlink(forward, model.__dict__.get("_get_name"))
+        # Under every other root forward already there: autocast and the rest wrap the whole of it.
+        above = model.__dict__.get("forward")
+        lowest = None
+        while isinstance(above, _rewrite.RootForward):
+            lowest, above = above, above.previous
+        if lowest is None:
+            model.__dict__["forward"] = forward
+        else:
+            lowest.previous = forward  # forward.previous is already what lowest ran before
+        forward.previous = above
+        model.__dict__["_get_name"] = _rewrite.Label(f"ChunkedLoss[{model._get_name()}]")
+        return [entry]
+
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        """The step on any causal language model it can handle exactly (it saves memory only when
+        the batch has labels)."""
+        step = cls()
+        return [Candidate((step,))] if step.applies(model) else []
+
+
+def apply_chunked_loss(model: nn.Module, chunk_size: int = 1024) -> nn.Module:
+    """Compute ``model``'s head and loss chunk by chunk in training with labels, in place; return
+    it. See :class:`ChunkedLoss`; ``shrinkwrap.revert(model)`` gives its own forward back.
+
+    Example::
+
+        >>> apply_chunked_loss(model, chunk_size=512)
+        >>> model(input_ids, labels=input_ids).loss.backward()
+    """
+    return ChunkedLoss(chunk_size).apply(require_module(model, "apply_chunked_loss()"))

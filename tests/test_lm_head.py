@@ -1,0 +1,258 @@
+"""chunked_loss: a causal LM's head and loss chunk by chunk over tokens (transforms/lm_head.py)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import shrinkwrap as sw
+
+tf = pytest.importorskip("transformers")
+
+F64 = torch.float64
+BATCH, SEQ = 2, 12
+EXACT = dict(rtol=1e-12, atol=1e-12)
+
+
+def _gpt2(vocab: int = 64) -> nn.Module:  # tied embeddings, lm_head without bias
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                           eos_token_id=0)
+    return tf.GPT2LMHeadModel(config).to(F64).train()
+
+
+def _llama(vocab: int = 64) -> nn.Module:  # untied
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            attention_dropout=0.1, tie_word_embeddings=False)
+    return tf.LlamaForCausalLM(config).to(F64).train()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _batch(vocab: int = 64) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (BATCH, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 5:] = 0  # the second sequence is padded
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 3] = -100  # and one token of the first is not counted
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _reference_loss(model: nn.Module, batch: dict, num_items=None) -> torch.Tensor:
+    """The model's own loss in float64: its logits, shifted labels, cross-entropy (HF's loss
+    upcasts to float32 only, which would not do for a float64 comparison)."""
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    if num_items is None:
+        return F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / num_items
+
+
+def _loss_and_grads(model: nn.Module, fn) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    torch.manual_seed(100)  # dropout draws the same masks
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("chunk", [5, 7, 24, 1024])  # 7 does not divide the 24 tokens
+def test_float64_loss_and_every_gradient_equal_the_models_own(arch, chunk):
+    model, batch = MODELS[arch](), _batch()
+    ref_loss, ref_grads = _loss_and_grads(model, lambda: _reference_loss(model, batch))
+    torch.manual_seed(100)
+    own = model(**batch).loss  # HF's own loss (in float32): the reference is the same loss
+    torch.testing.assert_close(own.double(), ref_loss, rtol=1e-6, atol=1e-6)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=chunk)]))
+    loss, grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    assert loss.dtype == F64
+    torch.testing.assert_close(loss, ref_loss, **EXACT)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **EXACT, msg=name)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_num_items_in_batch_divides_the_sum(arch):
+    model, batch = MODELS[arch](), _batch()
+    n = torch.tensor(37)
+    ref_loss, ref_grads = _loss_and_grads(model, lambda: _reference_loss(model, batch, num_items=n))
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=5)]))
+    loss, grads = _loss_and_grads(model, lambda: model(**batch, num_items_in_batch=n).loss)
+    torch.testing.assert_close(loss, ref_loss, **EXACT)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **EXACT, msg=name)
+
+
+def test_tied_weight_gets_both_gradients():
+    model = _gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=5)]))
+    model(**_batch()).loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_logits_unchanged_without_labels_and_in_eval(arch):
+    model, batch = MODELS[arch](), _batch()
+    plain = copy.deepcopy(model)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=5)]))
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    torch.manual_seed(3)
+    a = model(**no_labels).logits
+    torch.manual_seed(3)
+    torch.testing.assert_close(a, plain(**no_labels).logits, rtol=0, atol=0)
+    model.eval(), plain.eval()
+    out, ref = model(**batch), plain(**batch)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+    model.train()
+    assert model(**batch).logits is None  # chunked training returns no logits
+
+
+def test_return_dict_false_gives_a_tuple_starting_with_the_loss():
+    model, batch = _gpt2(), _batch()
+    sw.apply(model, sw.Plan([sw.chunked_loss()]))
+    out = model(**batch, return_dict=False)
+    assert isinstance(out, tuple) and out[0].dim() == 0
+
+
+def test_saved_bytes_drop_by_the_logits():
+    vocab = 2000
+    model, batch = _gpt2(vocab).float(), _batch(vocab)
+    logits_bytes = BATCH * SEQ * vocab * 4
+    before = sw.saved_tensor_bytes(lambda: model(**batch).loss)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=8)]))
+    after = sw.saved_tensor_bytes(lambda: model(**batch).loss)
+    # The plain model keeps the log-softmax of the whole logits; the chunked one keeps no tensor of
+    # vocabulary width (a few bytes more: the count of tokens, the shifted labels).
+    assert before - after >= 0.99 * logits_bytes, (before, after, logits_bytes)
+
+
+def test_revert_gives_the_plain_forward_back_and_keys_stay():
+    model, batch = _llama(), _batch()
+    keys = list(model.state_dict())
+    sw.apply(model, sw.Plan([sw.chunked_loss()]))
+    assert list(model.state_dict()) == keys
+    assert type(model).__name__ in repr(model) and "ChunkedLoss[" in repr(model)
+    assert sw.records(model)[0].matched == ("", "lm_head")
+    sw.revert(model)
+    assert "forward" not in model.__dict__ and "_get_name" not in model.__dict__
+    assert model(**batch).logits is not None
+
+
+def test_plan_text_round_trip_and_applying_twice():
+    plan = sw.Plan([sw.chunked_loss(chunk_size=256)])
+    assert str(plan) == "chunked_loss(chunk_size=256)"
+    assert sw.Plan.parse(str(plan)) == plan
+    assert str(sw.chunked_loss()) == "chunked_loss()"
+    model = _gpt2()
+    sw.apply(model, plan)
+    sw.apply(model, plan)  # skipped: applied already
+    assert len(sw.records(model)) == 1
+    with pytest.raises(ValueError, match="already has chunked_loss"):
+        sw.chunked_loss(chunk_size=8).apply(model)
+    with pytest.raises(ValueError, match="chunk_size"):
+        sw.chunked_loss(chunk_size=0)
+
+
+def test_deepcopy_and_pickle_keep_the_step():
+    model, batch = _gpt2(), _batch()
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=5)]))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin(**batch).logits is None
+        torch.testing.assert_close(twin.eval()(**{k: v for k, v in batch.items() if k != "labels"}).logits,
+                                   model.eval()(**{k: v for k, v in batch.items() if k != "labels"}).logits)
+        model.train()
+
+
+def test_refuses_models_it_cannot_handle_exactly():
+    with pytest.raises(sw.SelectionError, match="lm_head"):
+        sw.chunked_loss().apply(nn.Linear(3, 3))
+    model = _gpt2()
+    model.loss_function = lambda *a, **k: None
+    with pytest.raises(sw.SelectionError, match="loss_function of its own"):
+        sw.chunked_loss().apply(model)
+    cohere = tf.CohereForCausalLM(tf.CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(sw.SelectionError, match="logit_scale"):
+        sw.chunked_loss().apply(cohere)
+    assert sw.chunked_loss.candidates(_gpt2(), sw.step.Context()) and not sw.chunked_loss.candidates(
+        nn.Linear(3, 3), sw.step.Context())
+
+
+def test_soft_capping_as_gemma2():
+    torch.manual_seed(0)
+    config = tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=0.5,
+                             attn_implementation="eager")
+    model, batch = tf.Gemma2ForCausalLM(config).to(F64).train(), _batch()
+    ref_loss, ref_grads = _loss_and_grads(model, lambda: _reference_loss(model, batch))
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=7)]))
+    loss, grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    torch.testing.assert_close(loss, ref_loss, **EXACT)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **EXACT, msg=name)
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matmuls run inside it, and their output widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: dict[int, set] = {}  # output width: dtypes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes.setdefault(out.shape[-1], set()).add(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("chunked_first", [True, False])
+def test_composes_with_checkpoint_and_autocast(chunked_first):
+    VOCAB = 96  # no other matmul of the model is this wide
+    model, batch = _llama(VOCAB), _batch(VOCAB)
+    model.float()
+    plain = copy.deepcopy(model)
+    steps = [sw.chunked_loss(chunk_size=7), sw.autocast(torch.bfloat16)]
+    sw.apply(model, sw.Plan([sw.checkpoint(r"model\.layers\.\d+"), *(steps if chunked_first else steps[::-1])]))
+    sw.apply(plain, sw.Plan([sw.autocast(torch.bfloat16)]))
+    torch.manual_seed(5)
+    ref = plain(**batch).loss
+    torch.manual_seed(5)
+    with _MatmulDtypes() as seen:
+        loss = model(**batch).loss
+    assert loss.dtype == torch.float32
+    # The chunks' matmuls ran under autocast: the chunked forward sits under autocast's.
+    assert seen.dtypes[VOCAB] == {torch.bfloat16}
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    sw.revert(model)
+    assert "forward" not in model.__dict__ and "_get_name" not in model.__dict__
+
+
+def test_compiled_trains_a_step_as_eager():
+    model, batch = _gpt2(), _batch()
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=7)]))
+    twin = copy.deepcopy(model)
+    eager_loss, eager_grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)  # no graph break
+    loss, grads = _loss_and_grads(twin, lambda: compiled(**batch).loss)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-9, atol=1e-12)
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
