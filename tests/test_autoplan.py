@@ -172,7 +172,7 @@ def test_chosen_regions_read_as_one_regex_that_selects_exactly_them():
                                                                                nn.Linear(64, 32)) for _ in range(12)]))
 
     model = blocks12()
-    chosen = [c for c in candidates(model, device="cpu", max_groups=12) if c.covers and c.covers[0].startswith("1.")]
+    chosen = [c for c in candidates(model, device="cpu", max_groups=12) if len(c.covers) == 1 and c.covers[0].startswith("1.")]
     from shrinkwrap.autoplan import _plan
 
     for picked in (chosen, chosen[9:], chosen[2:3]):
@@ -249,3 +249,12 @@ def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
     plan, report = sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=100.0, **FAST)
     assert calls and all(c == ["baseline", "plan"] for c in calls)
     assert any("timed in turns with it" in n and "within the limit of 100.0x" in n for n in report.notes)
+
+
+def test_a_long_stack_of_blocks_also_offers_every_second_and_third_block():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)]))
+    covers = [c.covers for c in candidates(model, device="cpu")]
+    assert ("1.1", "1.3", "1.5") in covers and ("1.2", "1.5") in covers
+    short = [c.covers for c in candidates(mlp(), device="cpu")]  # four blocks: groups only
+    assert not any(len(c) > 1 for c in short)

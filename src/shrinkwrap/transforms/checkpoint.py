@@ -251,13 +251,16 @@ class Checkpoint(Step):
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
         """Every stage of two or more same-type blocks (where it has a forward) and groups of its
         consecutive blocks; an inner stage (an EfficientNet stage inside ``features``) gives the
-        whole stage, or its blocks in two groups where it has no forward."""
+        whole stage, or its blocks in two groups where it has no forward. A stack of six or more
+        blocks also gives every second and every third block: half or a third of the recompute
+        for about that share of the saving, points between the groups."""
         out: list[Candidate] = []
         for container, blocks, nested in block_groups(model):
             stage = bool(container) and isinstance(model.get_submodule(container), nn.Sequential)
             regions = [[container]] if stage else []
             if not (nested and stage):
                 regions += _chunks(blocks, 2 if nested else context.max_groups)
+                regions += [blocks[k - 1::k] for k in (2, 3) if not nested and len(blocks) >= 6]
             for names in regions:
                 step = cls(tuple(names))
                 if all(tuple(names) != c.covers for c in out) and step.applies(model):
