@@ -98,3 +98,21 @@ def test_attributes_a_library_sets_through_the_wrapper_reach_the_wrapped_module(
     net(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert layer.gradient_checkpointing and "_gradient_checkpointing_func" in layer.__dict__
     assert "_gradient_checkpointing_func" not in net[0].__dict__
+
+
+def test_forward_and_class_set_on_a_wrapper_stay_on_the_wrapper():
+    net = model()
+    inner = net[1]
+    sw.apply(net, sw.checkpoint("1"))
+    wrapper = net[1]
+    calls = []
+    original = wrapper.forward
+    wrapper.forward = lambda *a, **k: calls.append(1) or original(*a, **k)  # a library patching what it finds
+    net(torch.randn(2, 3, 4, 4))
+    assert calls == [1] and "forward" not in inner.__dict__
+
+    class Sub(type(wrapper)):  # what FSDP2's fully_shard does to the module it is given
+        pass
+
+    wrapper.__class__ = Sub
+    assert type(wrapper) is Sub and type(inner) is nn.Sequential

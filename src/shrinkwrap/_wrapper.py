@@ -19,7 +19,10 @@ import torch.nn as nn
 # module, where its forward reads it: Hugging Face's gradient_checkpointing_enable() sets
 # `_gradient_checkpointing_func` and `gradient_checkpointing` on each layer it finds, and both must
 # land on the layer.
-_OWN = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+# Also the wrapper's: `forward` set on it (a library patching the module it finds in the tree,
+# as accelerate's hooks do, patches what is called) and dunders (FSDP2's fully_shard swaps the
+# __class__ of the module it is given).
+_OWN = frozenset(nn.Module().__dict__) | {"_compiled_call_impl", "forward"}
 # The module's tree and its state_dict hooks, shared with the wrapper: a hook that a library
 # (sharding, quantization, tied weights) registered on the module before or after wrapping still
 # runs, and still sits on the module after revert. Load post-hooks are the exception (see
@@ -72,7 +75,7 @@ class TransparentWrapper(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self.__dict__.get("_sw_inner")
-        if inner is None or name.startswith("_sw_") or name in _OWN:
+        if inner is None or name.startswith(("_sw_", "__")) or name in _OWN:
             super().__setattr__(name, value)
         else:
             setattr(inner, name, value)
