@@ -253,3 +253,19 @@ def test_cuda_peak_memory_drops_and_gradients_bit_equal():
     assert p_off < 0.7 * p_ref
     assert all(torch.equal(g_ref[n], g_off[n]) for n in g_ref)
     assert sw.offload_traffic(model).offloaded > 0
+
+
+def test_the_harness_reports_the_bytes_moved_per_iteration():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    sw.apply(model, [sw.offload(r"\d", min_bytes=1024, devices=("cpu",))])
+    x = torch.randn(32, 64)
+    prof = sw.measure(model, x, iterations=2, warmup=1, device="cpu")
+    sw.offload_traffic(model, reset=True)
+    model(x).float().mean().backward()  # one iteration by hand, counted the offload step's own way
+    by_hand = sw.offload_traffic(model, reset=True)
+    assert prof.transfers == {"offloaded": by_hand.offloaded, "reloaded": by_hand.reloaded} and by_hand.offloaded > 0
+    assert "moved per iteration" in str(prof)
+    assert "traffic" not in model[0].wrapped.__dict__  # the count is the wrapper's, not the module's
+    plain = sw.measure(nn.Linear(4, 4), torch.randn(2, 4), iterations=1, warmup=1, device="cpu")
+    assert plain.transfers == {}

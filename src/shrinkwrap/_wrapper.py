@@ -120,6 +120,11 @@ class TransparentWrapper(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[override]
         self.wrapped._load_from_state_dict(*args, **kwargs)
 
+    def transfers(self, reset: bool = False) -> dict[str, int]:
+        """Bytes this wrapper moved between devices since the last reset, by direction (none
+        here; offload regions count theirs). The measuring harness sums them per iteration."""
+        return {}
+
     def _get_name(self) -> str:
         return f"{self.label}[{self.wrapped._get_name()}]"
 

@@ -26,6 +26,8 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       top_modules[] ({module, mib}: what each module's forward added and kept, largest first),
       timeline_probe ("allocated" | "saved_for_backward"), timeline[] ({module, event, mib}),
       snapshot (path of the CUDA memory snapshot, or null),
+      transfers_mib {offloaded, reloaded} (per timed iteration, moved between the device and the
+        CPU by offload regions; {} when nothing moved),
       compiled (the model ran under torch.compile), first_ms (the first iteration, compilation
         included; step_ms excludes it), recompiles (graphs compiled after warm-up) and
         graph_breaks (dynamo's count; both null for a model not compiled)
@@ -231,6 +233,9 @@ class Report:
                 lines.append(f"largest contributors, {row.label} (MiB kept by each forward): {top}")
         for row in ok:
             p = row.profile
+            if p.transfers:
+                moved = ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in p.transfers.items())
+                lines.append(f"moved between device and CPU per iteration, {row.label}: {moved}")
             if p.compiled:
                 lines.append(f"compiled, {row.label}: first iteration {p.first_ms:.0f} ms with compilation, "
                              f"graph breaks {p.graph_breaks}, recompiles after warm-up {p.recompiles}")
@@ -327,6 +332,7 @@ def _profile_dict(p: "Profile | None") -> dict[str, Any]:
         "timeline_probe": p.timeline_probe if p else None,
         "timeline": [{"module": e.module, "event": e.event, "mib": _mib(e.bytes)} for e in (p.timeline if p else [])],
         "snapshot": p.snapshot if p else None,
+        "transfers_mib": {k: _mib(v) for k, v in p.transfers.items()} if p else {},
         "compiled": p.compiled if p else None,
         "first_ms": round(p.first_ms, 3) if p and p.first_ms is not None else None,
         "recompiles": p.recompiles if p else None,

@@ -61,7 +61,8 @@ class Profile:
     per-phase ``first_step``/``steady_step`` lists. Any device: ``saved`` (bytes saved for
     backward, unique storages), ``parameters`` (parameters and buffers), ``gradients``,
     ``optimizer_state``, ``batch``, ``step_ms`` (median, warm-up excluded), ``first_ms`` (the
-    first iteration, compilation included). ``timeline`` is the per-module log of one iteration,
+    first iteration, compilation included), ``transfers`` (bytes per timed iteration that
+    shrinkwrap's regions moved between the device and the CPU, by direction: offload's PCIe traffic). ``timeline`` is the per-module log of one iteration,
     read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
 
     A model compiled with ``torch.compile`` (``compiled``): ``graph_breaks`` and ``recompiles``
@@ -90,6 +91,7 @@ class Profile:
     timeline_probe: str = "saved_for_backward"
     top_modules: list[tuple[str, int]] = field(default_factory=list)
     snapshot: str | None = None
+    transfers: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
     first_ms: float | None = None
     recompiles: int | None = None
@@ -132,6 +134,8 @@ class Profile:
                      f"gradients {mib(self.gradients)}, optimizer state {mib(self.optimizer_state)}, "
                      f"batch {mib(self.batch)}")
         lines.append(f"  step time: {self.step_ms:.1f} ms (median of {len(self.step_times_ms)})")
+        if self.transfers:
+            lines.append("  moved per iteration: " + ", ".join(f"{k} {mib(v)}" for k, v in self.transfers.items()))
         if self.compiled:
             lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
                          f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
@@ -414,7 +418,9 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady = _phases(step, device) if cuda else []
+    _transfers(model, reset=True)
     times = _timed(step, device, options.iterations)
+    transfers = {k: v / options.iterations for k, v in _transfers(model, reset=True).items() if v}
     graphs, breaks = counts()
 
     saved: SavedTensors | None = None
@@ -445,6 +451,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         timeline_probe="allocated" if cuda else "saved_for_backward",
         top_modules=log.contributors()[:10],
         snapshot=snapshot,
+        transfers=transfers,
         compiled=compiled,
         first_ms=first_ms,
         recompiles=graphs - graphs_warm if compiled else None,
@@ -500,6 +507,16 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
             for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
                 out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
     return {name: Timing(tuple(times)) for name, times in out.items()}
+
+
+def _transfers(model: nn.Module, reset: bool = False) -> dict[str, int]:
+    """What the model's wrappers moved between devices since their last reset, summed by direction."""
+    total: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, TransparentWrapper):
+            for k, v in m.transfers(reset).items():
+                total[k] = total.get(k, 0) + v
+    return total
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -190,7 +190,20 @@ class OffloadModule(TransparentWrapper):
         self._sw_min_bytes = min_bytes
         self._sw_devices = tuple(devices)
         self._sw_schedule = schedule if schedule is not None else _Schedule()
-        self.traffic = Traffic()
+        self._sw_traffic = Traffic()
+
+    @property
+    def traffic(self) -> Traffic:
+        """The bytes this region moved since its last reset (the wrapper's own: not the module's)."""
+        return self.__dict__["_sw_traffic"]
+
+    def transfers(self, reset: bool = False) -> dict[str, int]:
+        """Bytes moved between the device and the CPU since the last reset (what the measuring
+        harness reports as a step's PCIe traffic)."""
+        moved = {"offloaded": self.traffic.offloaded, "reloaded": self.traffic.reloaded}
+        if reset:
+            self.traffic.reset()
+        return moved
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped
