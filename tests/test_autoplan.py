@@ -258,3 +258,9 @@ def test_a_long_stack_of_blocks_also_offers_every_second_and_third_block():
     assert ("1.1", "1.3", "1.5") in covers and ("1.2", "1.5") in covers
     short = [c.covers for c in candidates(mlp(), device="cpu")]  # four blocks: groups only
     assert not any(len(c) > 1 for c in short)
+
+
+def test_the_notes_say_where_autoplans_own_time_went():
+    plan, report = sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
+    (line,) = [n for n in report.notes if n.startswith("autoplan's own time:")]
+    assert "s measuring" in line and "s verifying" in line and report.notes[-1] == f"plan: {plan}"

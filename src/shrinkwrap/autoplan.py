@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from typing import Any, Callable, Union
 
 import torch
@@ -400,6 +401,7 @@ def autoplan(
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
                      max_slowdown, tolerance)
 
+    started = time.perf_counter()
     in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
     base_steps = tuple(s for e in in_base for s in e.candidate.steps)
     rest = [c for c in cands if all(c is not e.candidate for e in in_base)]
@@ -408,7 +410,9 @@ def autoplan(
     # Stage 3: the search, exact over what was measured.
     chosen = in_base + search.search(effects, start_mem, start_t, None if search.by_memory else target)
     effects = in_base + effects
+    measured = time.perf_counter()
     tried = search.verify(chosen, in_base, effects, rounds, progress, len(cands))
+    verified = time.perf_counter()
 
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
     if target is not None:
@@ -428,6 +432,10 @@ def autoplan(
             f"no plan found within the limits; the smallest memory found is "
             f"{(report.value(final) or 0) / 2**20:.1f} MiB at {final.profile.step_ms if final.profile else 0:.1f} ms, "
             f"with plan: {final.plan}")
+    notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
+                 f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
+                 f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (each in a fresh process on CUDA, "
+                 "then timed in turns with the baseline)")
     notes.append(f"plan: {final.plan}")
     report.rows += tried
     report.notes = notes
