@@ -4,7 +4,7 @@ import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.autoplan import candidates, parse_budget, scale_batch
-from shrinkwrap.transforms.checkpoint import block_groups
+from shrinkwrap.select import block_groups
 
 
 class Naive(nn.Module):

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
@@ -145,6 +146,17 @@ def change_root(model: nn.Module, kind: str, forward: RootForward) -> RootChange
     model.__dict__["forward"] = forward
     model.__dict__["_get_name"] = Label(f"{kind}[{model._get_name()}]")
     return entry
+
+
+def set_data(t: torch.Tensor, to: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace a parameter's or buffer's values by ``to(values)``, and its gradient's, in place.
+
+    Through ``.data``, so the Parameter or buffer stays the same object: an optimizer built
+    before still holds it, and undoing is the same call with the inverse ``to``.
+    """
+    t.data = to(t.data)
+    if t.grad is not None:
+        t.grad = to(t.grad)
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:

@@ -196,3 +196,31 @@ def pattern_for(model: nn.Module, names: Sequence[str]) -> str:
     if sorted(select(model, text, allow_empty=True)) == wanted:
         return text
     return "|".join(regex.escape(n) for n in names)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
+    """``(container, [block names], nested)`` for every Sequential/ModuleList holding two or more
+    blocks of one type (modules with children and parameters). Groups inside a block that is not
+    itself a plain container (inside a residual block or a transformer layer) are left out: their
+    parts are too small to be worth a measurement. ``nested``: the group lies inside another
+    group's block (an EfficientNet stage inside ``features``)."""
+    out: list[tuple[str, list[str], bool]] = []
+    real_blocks: list[str] = []
+    for name, c in model.named_modules():
+        if not isinstance(c, (nn.Sequential, nn.ModuleList)):
+            continue
+        if any(name.startswith(b + ".") for b in real_blocks):
+            continue
+        kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
+        types = [type(m) for _, m in kids]
+        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and _has_params(m) and any(True for _ in m.children())]
+        if len(blocks) < 2:
+            continue
+        nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
+        out.append((name, [n for n, _ in blocks], nested))
+        real_blocks += [n for n, m in blocks if not isinstance(m, (nn.Sequential, nn.ModuleList))]
+    return out

@@ -128,6 +128,13 @@ class Step:
         return []
 
     @classmethod
+    def itself(cls, model: nn.Module) -> list[Candidate]:
+        """The step with its defaults as autoplan's one candidate, where it has something to do on
+        ``model``: what a step over the whole model returns from :meth:`candidates`."""
+        step = cls()
+        return [Candidate((step,))] if step.applies(model) else []
+
+    @classmethod
     def merge(cls, steps: list["Step"], model: nn.Module) -> list["Step"]:
         """Steps of this class that autoplan chose together, written as few as read well (as they
         are by default)."""

@@ -212,8 +212,7 @@ class _WholeModelStep(Step):
 
     @classmethod
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
-        step = cls()
-        return [Candidate((step,))] if step.applies(model) else []
+        return cls.itself(model)
 
 
 @dataclasses.dataclass(frozen=True)

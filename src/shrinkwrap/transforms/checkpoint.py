@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError, pattern_for, require_module
+from ..select import Pattern, SelectionError, block_groups, pattern_for, require_module
 from ..step import Candidate, Context, Step, Targets
 
 
@@ -266,34 +266,6 @@ class Checkpoint(Step):
                 if all(tuple(names) != c.covers for c in out) and step.applies(model):
                     out.append(Candidate((step,), tuple(names)))
         return out
-
-
-def _has_params(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters())
-
-
-def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
-    """``(container, [block names], nested)`` for every Sequential/ModuleList holding two or more
-    blocks of one type (modules with children and parameters). Groups inside a block that is not
-    itself a plain container (inside a residual block or a transformer layer) are left out: their
-    parts are too small to be worth a measurement. ``nested``: the group lies inside another
-    group's block (an EfficientNet stage inside ``features``)."""
-    out: list[tuple[str, list[str], bool]] = []
-    real_blocks: list[str] = []
-    for name, c in model.named_modules():
-        if not isinstance(c, (nn.Sequential, nn.ModuleList)):
-            continue
-        if any(name.startswith(b + ".") for b in real_blocks):
-            continue
-        kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
-        types = [type(m) for _, m in kids]
-        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and _has_params(m) and any(True for _ in m.children())]
-        if len(blocks) < 2:
-            continue
-        nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
-        out.append((name, [n for n, _ in blocks], nested))
-        real_blocks += [n for n, m in blocks if not isinstance(m, (nn.Sequential, nn.ModuleList))]
-    return out
 
 
 def _chunks(items: list[str], n: int) -> list[list[str]]:

@@ -56,14 +56,6 @@ class _ChannelsLastInputs(_rewrite.RootForward):
         return self.inner(*args, **kwargs)
 
 
-def _relayout(t: torch.Tensor, to: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    # .data keeps the same Parameter/buffer object, so an optimizer built before still holds it;
-    # its gradient follows, as autograd lays a gradient out like its parameter.
-    t.data = to(t.data)
-    if t.grad is not None:
-        t.grad = to(t.grad)
-
-
 def _strided(stride: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function copying a tensor into one of the same shape with ``stride``."""
     return lambda t: torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
@@ -90,7 +82,7 @@ class Relaid:
             if t is None or tuple(t.shape) != shape:
                 gone.append(name)
             else:
-                _relayout(t, _strided(stride))
+                _rewrite.set_data(t, _strided(stride))
         return ", ".join(gone) or None
 
 
@@ -102,10 +94,10 @@ class ChannelsLast(Step):
     The Parameter objects stay the same (their ``.data``, and ``.grad`` if any, are converted),
     so an optimizer built before still holds them; names, ``state_dict`` keys and values do not
     change (``load_state_dict`` copies values into the channels_last tensors, whatever the
-    layout saved). Inputs are converted by a forward pre-hook on the root, which ``torch.compile``
+    layout saved). Inputs are converted by a forward of the root's own, which ``torch.compile``
     traces without a graph break. Outputs and gradients equal the untransformed model's up to
     rounding: see the module docstring. ``revert`` restores each tensor's previous strides and
-    removes the hook. Applying it again changes nothing. A model without a 4-D floating
+    the root's forward. Applying it again changes nothing. A model without a 4-D floating
     parameter (no 2-D convolution) is an error. Tensors that share storage with another
     parameter or buffer are left alone (converting one would break the sharing); the record lists
     them in ``skipped``.
@@ -122,8 +114,8 @@ class ChannelsLast(Step):
     order = 35  # after the activation steps (module swaps), before autocast
 
     def targets(self, model: nn.Module) -> Targets:
-        """Matched: the root (its input hook) and the modules whose tensors are converted;
-        payload: the tensor names to convert and whether to hook the root."""
+        """Matched: the root (its input conversion) and the modules whose tensors are converted;
+        payload: the tensor names to convert and whether to set the root's forward."""
         named = [*model.named_parameters(), *model.named_buffers()]
         ready = [(n, t) for n, t in named if not isinstance(t, nn.parameter.UninitializedTensorMixin)]
         lazy = [n for n, t in named if isinstance(t, nn.parameter.UninitializedTensorMixin)]
@@ -157,7 +149,7 @@ class ChannelsLast(Step):
         tensors = dict((*model.named_parameters(), *model.named_buffers()))
         before = Relaid({name: (tuple(tensors[name].shape), tuple(tensors[name].stride())) for name in convert})
         for name in convert:
-            _relayout(tensors[name], _to_channels_last)
+            _rewrite.set_data(tensors[name], _to_channels_last)
         undo: list[Any] = [before] if convert else []
         if hook:
             undo.append(_rewrite.change_root(model, "ChannelsLast", _ChannelsLastInputs(model)))
@@ -167,8 +159,7 @@ class ChannelsLast(Step):
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
         """The step on any model with a convolution's weight. autoplan measures it with the other
         whole-model steps; it chooses by memory saved, so it leaves this one out where it saves none."""
-        step = cls()
-        return [Candidate((step,))] if step.applies(model) else []
+        return cls.itself(model)
 
 
 def apply_channels_last(model: nn.Module) -> nn.Module:

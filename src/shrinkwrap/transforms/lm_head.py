@@ -257,8 +257,7 @@ class ChunkedLoss(Step):
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
         """The step on any causal language model it can handle exactly (it saves memory only when
         the batch has labels)."""
-        step = cls()
-        return [Candidate((step,))] if step.applies(model) else []
+        return cls.itself(model)
 
 
 def apply_chunked_loss(model: nn.Module, chunk_size: int = 1024) -> nn.Module:

@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from .. import _rewrite
 from .._wrapper import TransparentWrapper
-from ..select import Pattern, require_module
+from ..select import Pattern, block_groups, require_module
 from ..step import Step, Targets
 
 MiB = 1 << 20
@@ -316,20 +316,13 @@ class Offload(Step):
 
 
 def _blocks(model: nn.Module) -> list[str]:
-    """The blocks of the model's largest ``ModuleList``/``Sequential`` of same-type blocks (a
-    transformer's layers); an error if it has none."""
-    best: list[str] = []
-    for name, c in model.named_modules():
-        if isinstance(c, (nn.Sequential, nn.ModuleList)):
-            kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
-            same = [n for n, m in kids if [type(x) for _, x in kids].count(type(m)) >= 2
-                    and any(True for _ in m.parameters())]
-            if len(same) > len(best):
-                best = same
-    if not best:
+    """The blocks of the model's largest stack of same-type blocks (a transformer's layers; see
+    :func:`shrinkwrap.select.block_groups`); an error if it has none."""
+    groups = block_groups(model)
+    if not groups:
         raise ValueError(f"shrinkwrap: offload() found no stack of same-type blocks in "
                          f"{type(model).__name__}; name the regions, e.g. offload(r'layers\\.\\d+')")
-    return best
+    return max((blocks for _, blocks, _ in groups), key=len)
 
 
 def apply_offload(model: nn.Module, pattern: Pattern = None, **options: Any) -> nn.Module:

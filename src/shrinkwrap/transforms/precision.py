@@ -27,7 +27,6 @@ from __future__ import annotations
 
 __all__ = ['Autocast', 'Half', 'AutocastModule', 'KeepFloatModule', 'apply_autocast', 'apply_half']
 
-import copy
 import dataclasses
 import itertools
 from typing import Any, Callable, Iterator
@@ -83,8 +82,9 @@ def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
     logits beside it (a GPT-2 batch's are 785 MiB) would be waste; only the loss is cast."""
     if keep_output_dtype:
         return out
-    if _loss(out) is not None:
-        return _map_floats(out, lambda t: t.to(torch.float32) if t is _loss(out) and t.dtype == dtype else t)
+    loss = _loss(out)
+    if loss is not None:
+        return _map_floats(out, lambda t: t.to(torch.float32) if t is loss and t.dtype == dtype else t)
     return _map_floats(out, _cast_to(torch.float32, only=dtype))
 
 
@@ -323,10 +323,7 @@ class _CastInputs(_rewrite.RootForward):
 
 
 def _set_dtype(t: torch.Tensor, dtype: torch.dtype) -> None:
-    # .data keeps the same Parameter/buffer object, so an optimizer built before still holds it.
-    t.data = t.data.to(dtype)
-    if t.grad is not None:
-        t.grad = t.grad.to(dtype)
+    _rewrite.set_data(t, lambda x: x.to(dtype))
 
 
 @dataclasses.dataclass
