@@ -97,6 +97,27 @@ def test_num_items_in_batch_divides_the_sum(arch):
         torch.testing.assert_close(grads[name], ref_grads[name], **EXACT, msg=name)
 
 
+@pytest.mark.parametrize("frozen", ["head", "hidden", None])
+def test_the_head_loss_itself_with_bias_scaled_output_and_frozen_inputs(frozen):
+    from shrinkwrap.transforms.lm_head import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = (torch.randn(*s, generator=g, dtype=F64) for s in ((23, 8), (50, 8), (50,)))
+    labels = torch.randint(0, 50, (23,), generator=g)
+    labels[[2, 9]] = -100
+    leaves = {"hidden": hidden, "weight": weight, "bias": bias}
+    for name, t in leaves.items():
+        t.requires_grad_(frozen not in (name, "head" if name in ("weight", "bias") else ""))
+    ref = F.cross_entropy(F.linear(hidden, weight, bias), labels, ignore_index=-100) * 3  # a scaled loss
+    ref_grads = torch.autograd.grad(ref, [t for t in leaves.values() if t.requires_grad])
+    out = chunked_cross_entropy(hidden, weight, bias, labels, chunk_size=5) * 3
+    grads = torch.autograd.grad(out, [t for t in leaves.values() if t.requires_grad])
+    torch.testing.assert_close(out, ref, **EXACT)
+    assert len(grads) == len(ref_grads) > 0
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
 def test_tied_weight_gets_both_gradients():
     model = _gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -130,16 +151,24 @@ def test_return_dict_false_gives_a_tuple_starting_with_the_loss():
     assert isinstance(out, tuple) and out[0].dim() == 0
 
 
-def test_saved_bytes_drop_by_the_logits():
-    vocab = 2000
-    model, batch = _gpt2(vocab).float(), _batch(vocab)
-    logits_bytes = BATCH * SEQ * vocab * 4
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_saved_bytes_drop_by_the_logits(frozen_head):
+    vocab, hidden, tokens = 2000, 32, 4 * 64
+    model = _llama(vocab).float()
+    model.lm_head.weight.requires_grad_(not frozen_head)
+    ids = torch.randint(1, vocab, (4, 64), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=ids)
+    logits_bytes = tokens * vocab * 4
     before = sw.saved_tensor_bytes(lambda: model(**batch).loss)
     sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=8)]))
     after = sw.saved_tensor_bytes(lambda: model(**batch).loss)
-    # The plain model keeps the log-softmax of the whole logits; the chunked one keeps no tensor of
-    # vocabulary width (a few bytes more: the count of tokens, the shifted labels).
-    assert before - after >= 0.99 * logits_bytes, (before, after, logits_bytes)
+    # The plain model keeps the log-softmax of the whole logits. The chunked one keeps no tensor of
+    # tokens x vocabulary: it keeps the gradient of the hidden states, which replaces the head's
+    # saved input, and the head weight's gradient (vocabulary x hidden, made by backward in any
+    # case), which a frozen head does not get.
+    weight_grad, hidden_grad = (0 if frozen_head else vocab * hidden * 4), tokens * hidden * 4
+    dropped = before - after
+    assert 0.99 * logits_bytes - weight_grad - hidden_grad <= dropped <= 1.01 * logits_bytes - weight_grad + hidden_grad
 
 
 def test_revert_gives_the_plain_forward_back_and_keys_stay():

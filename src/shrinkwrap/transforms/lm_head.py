@@ -6,11 +6,13 @@ chunk by chunk over tokens, never materialising the full batch x sequence x voca
 lm_head(hidden); loss = loss_function(logits, labels, ...)``, ``lm_head`` an ``nn.Linear``). In
 training, called with ``labels``, the model's forward runs its base model as its own forward
 would, then computes the loss over ``chunk_size`` tokens at a time: each chunk's logits
-(``hidden_chunk @ W.T + b``, soft-capped where the config has ``final_logit_softcapping``) go
-straight into a summed cross-entropy inside a ``torch.utils.checkpoint`` region, so autograd
-keeps only the chunk's hidden states and the backward recomputes one chunk's logits at a time.
-What the forward leaves for backward loses the logits and their log-softmax (``2 x tokens x
-vocab`` floats, and more under autocast).
+(``hidden_chunk @ W.T + b``, soft-capped where the config has ``final_logit_softcapping``) give
+the chunk's loss and, at once, its gradients (softmax minus one-hot), which go straight into the
+gradients of the hidden states and of the head's weight. Autograd keeps those two (the weight's
+gradient is what backward would make anyway; a frozen head gets none) and no tensor of
+``tokens x vocab``: what the forward leaves for backward loses the logits and their log-softmax
+(``2 x tokens x vocab`` floats, and more under autocast), and the head costs the same three
+matmuls as the model's own, with no recompute.
 
 Exact, not bit for bit: the same label shift (or ``shift_labels``), ``ignore_index=-100``, mean
 over the counted tokens or the sum over ``num_items_in_batch`` (HF's gradient accumulation),
@@ -42,7 +44,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from .. import _rewrite
 from ..select import SelectionError, require_module
@@ -53,34 +54,91 @@ IGNORE_INDEX = -100
 _UNHANDLED = ("logit_scale", "logits_scaling", "multiplier", "logits_scale")
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
-    """Summed cross-entropy of one chunk: its logits live only inside this function."""
-    logits = F.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where it is on, else the tensor's."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Summed cross-entropy of ``linear(hidden, weight, bias)`` against ``labels``, scaled by
+    ``scale``, one chunk of rows at a time. The forward computes each chunk's gradients with its
+    loss (softmax minus one-hot, through the soft-cap) and keeps only the gradients of ``hidden``
+    (rows x hidden) and of ``weight`` and ``bias`` (the weight's gradient, which backward makes in
+    any case): the head costs the three matmuls of the plain model, with no recompute, and no
+    tensor of ``rows x vocabulary`` outlives its chunk. Backward multiplies by the incoming
+    gradient. Matmuls run in the compute dtype (autocast's), the softmax and the sums in at least
+    float32, gradients are accumulated in the parameters' (wider) dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, scale: torch.Tensor, chunk_size: int, softcap: float | None,
+                ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        acc = torch.promote_types(dtype, torch.float32)
+        total = hidden.new_zeros((), dtype=acc)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, acc)) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.promote_types(bias.dtype, acc)) if want_b else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size].to(dtype)
+            y = labels[start:start + chunk_size]
+            z = F.linear(h, w, b).to(acc)
+            if softcap is not None:
+                t = torch.tanh(z / softcap)
+                z = t * softcap
+            counted = y != ignore_index
+            target = torch.where(counted, y, 0).unsqueeze(1)
+            lse = torch.logsumexp(z, dim=-1)
+            total = total + ((lse - z.gather(1, target).squeeze(1)) * counted).sum()
+            if not (want_h or want_w or want_b):
+                continue
+            g = torch.exp(z - lse.unsqueeze(1))  # d(sum of losses)/dz: softmax - one-hot, on counted rows
+            g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
+            g = g * (counted.unsqueeze(1) * scale)
+            if softcap is not None:
+                g = g * (1 - t * t)
+            gd = g.to(dtype)
+            if want_h:
+                grad_h[start:start + chunk_size] = gd @ w
+            if want_w:
+                grad_w += gd.t() @ h
+            if want_b:
+                grad_b += g.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scaled = [g * grad_out.to(g.dtype) if g is not None else None for g in (grad_h, grad_w, grad_b)]
+        if grad_w is not None:
+            scaled[1] = scaled[1].to(grad_w.dtype)
+        return (*scaled, None, None, None, None, None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           shift_labels: torch.Tensor, *, chunk_size: int = 1024, softcap: float | None = None,
                           num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Cross-entropy of ``linear(hidden, weight, bias)`` against ``shift_labels`` (already shifted,
-    one per row of ``hidden``), ``chunk_size`` rows at a time, each chunk recomputed in backward.
-    The sum over counted rows divided by their number, or by ``num_items_in_batch`` when given."""
+    one per row of ``hidden``), ``chunk_size`` rows at a time (see :class:`_HeadLoss`): the sum
+    over counted rows divided by their number, or by ``num_items_in_batch`` when given.
+
+    Example::
+
+        >>> loss = chunked_cross_entropy(hidden, model.lm_head.weight, None, labels[:, 1:], chunk_size=512)
+    """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
-    total = None
-    for h, y in zip(hidden.split(chunk_size), shift_labels.split(chunk_size)):
-        part = torch.utils.checkpoint.checkpoint(
-            _chunk_loss, h, weight, bias, y, softcap, ignore_index, use_reentrant=False, preserve_rng_state=False)
-        total = part if total is None else total + part
+    dtype = _compute_dtype(hidden)
+    acc = torch.promote_types(dtype, torch.float32)
     if num_items_in_batch is None:
-        return total / (shift_labels != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        scale = 1 / (shift_labels != ignore_index).sum().to(acc)
+    else:
+        scale = 1 / torch.as_tensor(num_items_in_batch, device=hidden.device).to(acc)
+    return _HeadLoss.apply(hidden, weight, bias, shift_labels, scale, chunk_size, softcap, ignore_index, dtype)
 
 
 class _ChunkedLossForward(_rewrite.RootForward):
