@@ -14,9 +14,7 @@ against ``compile + bf16`` (the user's hand recipe: ``torch.compile`` of the mod
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, SEQ, HandAutocast, _load, build  # noqa: E402
+from run import MODELS, SEQ, HandAutocast, _load, build, same_run_main  # noqa: E402
 
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
 PLANS: dict[str, dict[str, str]] = {
@@ -114,19 +112,5 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, choices=sorted(PLANS))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
-    parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
-    args = parser.parse_args()
-    rows = run(args.model, args.rounds, args.configs.split(",") if args.configs else None)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(table(rows))
-
-
 if __name__ == "__main__":
-    main()
+    same_run_main(__doc__, list(PLANS), run, table, rounds=5)

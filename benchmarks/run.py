@@ -297,6 +297,23 @@ def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
     plt.close(fig)
 
 
+def same_run_main(doc: str, models: list[str], run: Callable[..., list[dict[str, Any]]],
+                  table: Callable[[list[dict[str, Any]]], str], rounds: int) -> None:
+    """The command line of the same-run scripts (compiled.py, lm.py): one model, every row in one
+    process, rows appended to ``--json``, the table printed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(models))
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
+    args = parser.parse_args()
+    rows = run(args.model, args.rounds, args.configs.split(",") if args.configs else None)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table(rows))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=list(MODELS))

@@ -230,10 +230,12 @@ def test_deepcopy_and_pickle(one_thread):
 
 @pytest.mark.cuda
 def test_cuda_peak_memory_drops_and_gradients_bit_equal():
+    blocks = 12
+
     def make():
         torch.manual_seed(0)
         return nn.Sequential(*(nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
-                               for _ in range(6))).cuda()
+                               for _ in range(blocks))).cuda()
 
     x = torch.randn(4096, 1024, device="cuda")
 
@@ -247,10 +249,13 @@ def test_cuda_peak_memory_drops_and_gradients_bit_equal():
         return torch.cuda.max_memory_allocated() - base, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref = make()
-    model = sw.apply(make(), sw.Plan([sw.offload(r"\d")]))
+    model = sw.apply(make(), sw.Plan([sw.offload(r"\d+")]))
     p_ref, g_ref = peak(ref)
     p_off, g_off = peak(model)
-    assert p_off < 0.7 * p_ref
+    # Each block saves 144 MiB (its input, the GELU's input and output); its gradients take 32 MiB.
+    # Offloaded, the device holds at most the last block, the block in flight and the one
+    # prefetched ahead of it: about 3 of the 12 blocks' saved tensors, with every gradient.
+    assert p_off < 0.5 * p_ref, (p_off / 2**20, p_ref / 2**20)
     assert all(torch.equal(g_ref[n], g_off[n]) for n in g_ref)
     assert sw.offload_traffic(model).offloaded > 0
 

@@ -1,0 +1,173 @@
+"""Causal language models: the head, chunked loss and activation offload, every row in one process.
+
+    python benchmarks/lm.py --model gpt2 [--rounds 4] [--json out.json]
+    python benchmarks/lm.py --model llama128k
+
+Models (random initialisation from a config, no downloads; labels = the inputs):
+
+- ``gpt2``: transformers' ``GPT2Config()`` (124M parameters, vocabulary 50257) at 8 x 1024 tokens;
+- ``llama128k``: a Llama-style model with a 128k vocabulary (hidden 2048, 16 layers, 32 heads,
+  8 KV heads, MLP 8192, vocabulary 128256, tied embeddings: Llama-3.2-1B's shape) at 4 x 2048.
+
+Every configuration is a fresh module tree over the SAME parameter tensors (one copy of the weights
+on the GPU, whatever the number of rows). Memory: ``shrinkwrap.measure`` with AdamW, one
+configuration at a time (activation = steady-state peak - allocated before it, which counts the
+gradients made in backward; held for backward = allocated when the forward and its loss are
+done - allocated before it: what the forward leaves for backward). The head's share
+of the peak: the same configuration called with ``logits_to_keep=1`` (the model's own way to skip
+all but the last position's logits; its loss is the kept logits' mean), head share = (peak -
+that peak) / peak. Step time: ``shrinkwrap.time_interleaved`` (configurations in turns, median of
+the rounds and the fastest-slowest round), with SGD (no optimizer state: the rows share weights;
+AdamW's step over the weights costs every row alike).
+
+Anchors: ``hf_ckpt_bf16`` is Hugging Face's own ``gradient_checkpointing_enable()`` with
+``torch.autocast`` by hand; ``hf_ckpt_offload_bf16`` adds transformers' activation offload
+(``activation_checkpointing_enable(offload=True)``) where the installed version has it;
+``compile_bf16`` is ``torch.compile`` of the model with ``torch.autocast`` around its forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from run import HandAutocast, same_run_main  # noqa: E402
+
+MODELS: dict[str, tuple[Callable[[], Any], int, int, str]] = {
+    # name: (config factory, batch, sequence, the blocks' regex)
+    "gpt2": (lambda: __import__("transformers").GPT2Config(), 8, 1024, r"transformer\.h\.\d+"),
+    "llama128k": (lambda: __import__("transformers").LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096,
+        rope_theta=500000.0), 4, 2048, r"model\.layers\.\d+"),
+}
+
+
+def plans(blocks: str) -> dict[str, str]:
+    ckpt = f"checkpoint(r'{blocks}')"
+    return {
+        "bf16": "autocast(torch.bfloat16)",
+        "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
+        "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
+        "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
+        "chunked_bf16_compiled": "chunked_loss(), autocast(torch.bfloat16), compile()",
+        "ckpt_bf16_chunked_compiled": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16), compile()",
+    }
+
+
+def _hf_checkpointing(model: nn.Module, offload: bool) -> nn.Module:
+    if offload:
+        model.activation_checkpointing_enable(offload=True)  # TypeError where the version lacks it
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return HandAutocast(model)
+
+
+def configurations(name: str) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """Each configuration: shared model -> the module tree to measure."""
+    blocks = MODELS[name][3]
+    out: dict[str, Callable[[nn.Module], nn.Module]] = {"fp32": lambda m: m}
+    out.update({k: functools.partial(lambda text, m: sw.apply(m, text), text) for k, text in plans(blocks).items()})
+    out["hf_ckpt_bf16"] = lambda m: _hf_checkpointing(m, offload=False)
+    out["hf_ckpt_offload_bf16"] = lambda m: _hf_checkpointing(m, offload=True)
+    out["compile_bf16"] = lambda m: torch.compile(HandAutocast(m))
+    return out
+
+
+def build(name: str, weights: nn.Module | None) -> nn.Module:
+    """A new model; with ``weights``, a new module tree whose parameters ARE those of ``weights``."""
+    import transformers
+
+    config = MODELS[name][0]()
+    config.use_cache = False
+    with torch.device("meta" if weights is not None else "cuda"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    if weights is not None:
+        model.load_state_dict(weights.state_dict(keep_vars=True), assign=True)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        for mod_name, buf in weights.named_buffers():  # non-persistent buffers (rotary frequencies)
+            owner, _, key = mod_name.rpartition(".")
+            model.get_submodule(owner)._buffers[key] = buf
+    return model
+
+
+def _after_loss(prof: Any) -> int:
+    """Allocated when the forward and the loss are done: what the forward leaves for backward."""
+    return next(p.allocated for p in prof.steady_step if p.name == "loss")
+
+
+def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+    _, batch_size, seq, _ = MODELS[name]
+    shared = build(name, None)
+    vocab = shared.config.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    batch, no_head = {"input_ids": ids, "labels": ids}, {"input_ids": ids, "logits_to_keep": 1}
+    models, rows = {}, []
+    for config, make in configurations(name).items():
+        if only and config not in only:
+            continue
+        row: dict[str, Any] = {"model": name, "config": config, "batch": batch_size, "seq": seq,
+                               "plan": plans(MODELS[name][3]).get(config)}
+        try:
+            model = make(build(name, shared))
+            prof = sw.measure(model, batch, iterations=2, warmup=2, device="cuda")
+            head_off = sw.measure(model, no_head, iterations=1, warmup=1, device="cuda")
+        except Exception as exc:  # noqa: BLE001 - an anchor the installed version lacks is a row
+            rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+            print(f"failed {config}: {rows[-1]['error']}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+            continue
+        models[config] = model
+        mib = 2**20
+        rows.append({**row, "peak_mib": round(prof.peak / mib, 1), "static_mib": round(prof.static / mib, 1),
+                     "activation_mib": round((prof.peak - prof.static) / mib, 1),
+                     "held_mib": round((_after_loss(prof) - prof.static) / mib, 1),
+                     "head_share": round((prof.peak - head_off.peak) / prof.peak, 4),
+                     "graph_breaks": prof.graph_breaks,
+                     "transfers_mib": {k: round(v / mib, 1) for k, v in prof.transfers.items()},
+                     "top_modules": [(n, round(b / mib, 1)) for n, b in prof.top_modules[:4]]})
+        print(f"measured {config}: {rows[-1]['activation_mib']} MiB", file=sys.stderr, flush=True)
+    options = sw.Options(device="cuda", warmup=1, optimizer=functools.partial(torch.optim.SGD, lr=1e-6))
+    times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=2)
+    for row in rows:
+        t = times.get(row["config"])
+        if t is not None:
+            row.update(step_ms=round(t.median, 1), step_ms_low=round(min(t.rounds_ms), 1),
+                       step_ms_high=round(max(t.rounds_ms), 1))
+        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat())
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by = {r["config"]: r for r in rows if "error" not in r}
+    base = by.get("fp32")
+    lines = ["| model | configuration | peak MiB | activation MiB | x fp32 | held for backward MiB | head share of "
+             "peak | step ms (rounds low-high) | x fp32 | PCIe MiB/iteration | graph breaks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['config']} | {r['error']} |||||||||")
+            continue
+        ratio = lambda key: f"{r[key] / base[key]:.2f}" if base and r.get(key) else "-"  # noqa: E731
+        moved = ", ".join(f"{k} {v}" for k, v in r["transfers_mib"].items()) or "-"
+        lines.append(f"| {r['model']} | {r['plan'] or r['config']} | {r['peak_mib']} | {r['activation_mib']} | "
+                     f"{ratio('activation_mib')} | {r['held_mib']} | {100 * r['head_share']:.1f}% | {r.get('step_ms', '-')} "
+                     f"({r.get('step_ms_low')}-{r.get('step_ms_high')}) | {ratio('step_ms')} | {moved} | "
+                     f"{'-' if r['graph_breaks'] is None else r['graph_breaks']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    same_run_main(__doc__, list(MODELS), run, table, rounds=4)
