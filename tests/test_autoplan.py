@@ -215,6 +215,19 @@ def test_the_search_finds_the_smallest_set_within_the_time_limit_where_greedy_or
     assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('y')", "checkpoint('z')"]
 
 
+def test_a_candidate_that_only_runs_faster_pays_for_a_checkpoint():
+    from shrinkwrap.autoplan import _search
+
+    # "fast" saves nothing (it costs a little memory) but wins 4 ms: with it the big checkpoint fits
+    # the time limit; without it only the small one does.
+    table = _effects_table(("big", ("a",), 8.0, 12.0), ("small", ("b",), 2.0, 5.0), ("fast", (), -0.5, -4.0))
+    chosen = _search(table, 20.0, 100.0, target=None, max_t=108.0)
+    assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('big')", "checkpoint('fast')"]
+    # A slower candidate that saves nothing is never taken.
+    table = _effects_table(("big", ("a",), 8.0, 12.0), ("slow", ("c",), 0.0, 1.0))
+    assert [str(e.candidate) for e in _search(table, 20.0, 100.0, target=None, max_t=120.0)] == ["checkpoint('big')"]
+
+
 def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
     from shrinkwrap.models import tiny_efficientnet
 
