@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import shrinkwrap as sw
+from shrinkwrap.autoplan import _plan, candidates
 from shrinkwrap.select import SelectionError
 from shrinkwrap.transforms import checkpoint as ckpt_mod
 
@@ -15,6 +16,7 @@ from toymodels import ResNet, resnet64
 
 STEM = "conv1|bn1|relu|maxpool"
 CHAIN = sw.checkpoint(STEM, chain=True)
+STEM_CANDIDATE = sw.checkpoint("(?:conv1|bn1|relu|maxpool)", chain=True)  # as pattern_for writes it
 
 
 def x64(n=4, size=32):
@@ -231,6 +233,41 @@ def test_a_region_holding_a_chain_absorbs_it_and_reverts():
     assert model[0][1].num_batches_tracked.item() == 1
     sw.revert(model)
     assert type(model[0]) is nn.Sequential and list(model[0]) == inner
+
+
+def test_the_resnet_stem_is_a_chain_candidate():
+    model = resnet64()
+    found = {c.covers: c for c in candidates(model, device="cpu")}
+    stem = found[("conv1", "bn1", "relu", "maxpool")]
+    assert stem.steps == (STEM_CANDIDATE,)
+    assert not stem.overlaps(found[("layer1",)]) and stem.overlaps(sw.step.Candidate((), ("",)))
+    plan = _plan([stem, found[("layer1",)], found[("layer2",)]], model)
+    assert str(plan) == "checkpoint('(?:conv1|bn1|relu|maxpool)', chain=True), checkpoint('(?:layer1|layer2)')"
+    ref = copy.deepcopy(model)
+    assert_trains_the_same(ref, sw.apply(model, plan), x64(), 2)
+
+
+class Tower(nn.Module):
+    """Modules before a ModuleList of layers, as a transformer's embeddings: not offered as a chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm = nn.Linear(4, 8), nn.LayerNorm(8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        x = self.norm(self.embed(x))
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_chain_candidates_only_before_a_sequential_stack():
+    block = lambda: nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU())  # noqa: E731
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Sequential(block(), block()))
+    chains = [c.covers for c in candidates(model, device="cpu") if getattr(c.steps[0], "chain", False)]
+    assert chains == [("0", "1", "2")]
+    assert not [c for c in candidates(Tower(), device="cpu") if getattr(c.steps[0], "chain", False)]
 
 
 def test_merge_keeps_chain_steps_apart():

@@ -75,7 +75,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError, block_groups, pattern_for, require_module
+from ..select import Pattern, SelectionError, block_groups, has_params, pattern_for, require_module
 from ..step import Candidate, Context, Step, Targets
 
 
@@ -432,9 +432,11 @@ class Checkpoint(Step):
         consecutive blocks; an inner stage (an EfficientNet stage inside ``features``) gives the
         whole stage, or its blocks in two groups where it has no forward. A stack of six or more
         blocks also gives every second and every third block: half or a third of the recompute
-        for about that share of the saving, points between the groups."""
+        for about that share of the saving, points between the groups. The modules a parent calls
+        before its first stack (a ResNet's stem) give one chain region (see :func:`_stems`)."""
         out: list[Candidate] = []
-        for container, blocks, nested in block_groups(model):
+        groups = block_groups(model)
+        for container, blocks, nested in groups:
             stage = bool(container) and isinstance(model.get_submodule(container), nn.Sequential)
             regions = [[container]] if stage else []
             if not (nested and stage):
@@ -444,7 +446,39 @@ class Checkpoint(Step):
                 step = cls(tuple(names))
                 if all(tuple(names) != c.covers for c in out) and step.applies(model):
                     out.append(Candidate((step,), tuple(names)))
+        for names in _stems(model, groups):
+            step = cls(pattern_for(model, names), chain=True)
+            if step.applies(model):
+                out.append(Candidate((step,), tuple(names)))
         return out
+
+
+def _stems(model: nn.Module, groups: list[tuple[str, list[str], bool]]) -> list[list[str]]:
+    """Chains worth a candidate: per module holding a stack of blocks (``groups``, from
+    :func:`block_groups`), the children right before its first stack, two or more of them with
+    parameters among them: a ResNet's ``conv1 -> bn1 -> relu -> maxpool`` before ``layer1``.
+    Checkpointed one by one each would keep its own input; as one chain only the first's is kept.
+
+    Only before an ``nn.Sequential`` stack (a ResNet's stage, called as one module in a line of
+    calls): before a ``ModuleList`` of transformer layers the modules are embeddings whose outputs
+    are added up, not chained. The run stops at a module with no forward (``ModuleList``)."""
+    stacks: dict[str, set[str]] = {}  # parent -> the keys of its children that are, or start, a stack
+    for container, blocks, _ in groups:
+        if isinstance(unwrap(_rewrite.get_module(model, container)), nn.Sequential):
+            for name in (container, blocks[0]) if container else blocks[:1]:
+                parent, _, key = name.rpartition(".")
+                stacks.setdefault(parent, set()).add(key)
+    stems = []
+    for parent, keys in stacks.items():
+        run: list[tuple[str, nn.Module]] = []
+        for key, child in _rewrite.get_module(model, parent)._modules.items():
+            if key in keys:
+                break
+            runs = child is not None and type(unwrap(child)).forward is not nn.Module.forward
+            run = run + [(f"{parent}.{key}" if parent else key, child)] if runs else []
+        if len(run) >= 2 and any(has_params(m) for _, m in run):
+            stems.append([n for n, _ in run])
+    return stems
 
 
 def _chunks(items: list[str], n: int) -> list[list[str]]:
