@@ -2,6 +2,7 @@
 another (a ResNet's stem), exact as a plain checkpoint region, and loud where the parent does not chain."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -192,8 +193,10 @@ def test_names_revert_copies_and_plan_text():
     train(ref, x, 2), train(model, x, 2)
     chain = model.conv1._sw_chain
     assert chain.step == 0 and chain.outs is None and chain.last is None  # nothing held between forwards
-    clone = copy.deepcopy(model)
-    assert clone.bn1._sw_chain is clone.conv1._sw_chain is not chain
+    clone, pickled = copy.deepcopy(model), pickle.loads(pickle.dumps(model))
+    for m in (clone, pickled):
+        assert m.bn1._sw_chain is m.conv1._sw_chain is not chain and m.conv1._sw_chain.members[1] is m.bn1
+    assert_trains_the_same(copy.deepcopy(ref), pickled, x, 2)
     assert_trains_the_same(ref, clone, x, 2)
     sw.revert(model)
     assert sw.records(model) == [] and all(originals[n] is m for n, m in model.named_modules())
