@@ -13,9 +13,10 @@ import torch.nn as nn
 import shrinkwrap as sw
 from shrinkwrap.models import tiny_efficientnet
 
-from toymodels import net64
+from toymodels import net64, resnet64
 
 BF16 = torch.bfloat16
+STEM = sw.checkpoint(r"conv1|bn1|relu|drop|maxpool", chain=True)
 
 # (model factory, input factory, plans): each plan alone, and the steps together.
 CASES = {
@@ -32,6 +33,11 @@ CASES = {
         "bn_act": [sw.bn_act()],
         "checkpoint": [sw.checkpoint(r"blocks\.\d+")],
         "together": [sw.swish(), sw.bn_act(), sw.checkpoint(r"blocks\.\d+"), sw.autocast(BF16)],
+    }),
+    # The stem as one checkpoint chain; dropout and an in-place ReLU inside it.
+    "resnet": (lambda: resnet64(stem_dropout=0.25), lambda: torch.randn(4, 3, 32, 32, dtype=torch.float64), {
+        "chain": [STEM],
+        "chain_and_stages": [STEM, sw.checkpoint(r"layer[12]")],
     }),
 }
 PARAMS = [(model, plan) for model, (_, _, plans) in CASES.items() for plan in plans]
@@ -101,6 +107,39 @@ def test_compiled_checkpoint_recomputes_inside_the_graph():
         return sw.saved_tensor_bytes(lambda: compiled(x))
 
     assert saved([sw.checkpoint(r"\d")]) < saved([])
+
+
+def test_a_compiled_chain_keeps_less_than_the_same_modules_one_by_one():
+    x = torch.randn(8, 3, 64, 64, dtype=torch.float64)
+
+    def saved(plan):
+        torch._dynamo.reset()
+        compiled = torch.compile(sw.apply(resnet64(), [*plan, sw.checkpoint(r"layer[12]")]), backend="aot_eager",
+                                 fullgraph=True)
+        compiled(x).sum().backward()  # compile once, outside the count
+        return sw.saved_tensor_bytes(lambda: compiled(x))
+
+    chained = saved([sw.checkpoint("conv1|bn1|relu|maxpool", chain=True)])
+    one_by_one = saved([sw.checkpoint("conv1|bn1")])
+    conv_out = relu_out = 8 * 8 * 32 * 32 * 8
+    indices = 8 * 8 * 16 * 16 * 8  # maxpool's
+    assert chained + conv_out + relu_out + indices <= one_by_one  # all recomputed inside the graph
+
+
+def test_a_compiled_parent_that_does_not_chain_is_named():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.b(self.a(x) * 2)
+
+    model = sw.apply(Pair(), [sw.checkpoint("a|b", chain=True)])
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"chain 'a' -> 'b': 'b' was called with something other than the output"):
+        compiled(torch.randn(8, 4))
+    assert model.b.num_batches_tracked.item() == 0  # refused as it was traced, before anything ran
 
 
 def test_a_region_taking_a_dict_positionally_compiles():

@@ -198,7 +198,7 @@ def pattern_for(model: nn.Module, names: Sequence[str]) -> str:
     return "|".join(regex.escape(n) for n in names)
 
 
-def _has_params(m: nn.Module) -> bool:
+def has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
 
 
@@ -217,7 +217,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
             continue
         kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
         types = [type(m) for _, m in kids]
-        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and _has_params(m) and any(True for _ in m.children())]
+        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and has_params(m) and any(True for _ in m.children())]
         if len(blocks) < 2:
             continue
         nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)

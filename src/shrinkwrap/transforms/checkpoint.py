@@ -28,17 +28,45 @@ fixes what the plain recipe gets wrong:
 
 Dropout masks match between forward and recompute (the RNG state is preserved), and inputs that
 do not require grad still give gradients to the region's parameters (non-reentrant checkpoint).
+
+Chains (``checkpoint(pattern, chain=True)``). A ResNet's forward calls ``conv1``, ``bn1``, ``relu``
+and ``maxpool`` one after another; checkpointed one by one each region keeps its own input, so
+nothing is saved. A chain makes selected siblings that are adjacent in their parent's
+registration order one region, which keeps only the first member's input. Each member is wrapped
+in a ``ChainMember`` (names unchanged). When the parent calls the first member in training, one
+checkpoint (the same machinery as above: BatchNorm statistics put back, containers copied, an
+in-place input named) runs every member in turn and returns all their outputs; the first member
+returns its own, and each later member, called with exactly the previous member's output (``is``)
+and nothing else, returns its precomputed one. The parent's data flow keeps the real tensors, so
+a skip connection that reuses an inner output gets its value and gradient. The outputs are
+dropped when the last member returns. Guarantees:
+
+- exact as a plain region: outputs, gradients and buffers bit-equal to the unwrapped model's in
+  float64; BatchNorm counted once; dropout masks equal in the recompute; an in-place module inside
+  the chain is fine, and one at its start is refused at apply time as above;
+- the parent is checked: the first training forward runs the members plainly and watches that
+  the parent calls each once, in order, on the previous member's output alone. Where it does not
+  (``self.b(self.a(x) * 2)``, a member called twice) a ``RuntimeError`` names the chain, the
+  member and the fix, and it does so at any later forward that breaks the chain, never returning
+  a precomputed output for other inputs or running a member a second time. A forward that stops
+  after some members is named at the next forward; by then the chain had run the rest (a
+  BatchNorm among them counted that step);
+- a selected module with no selected neighbour is refused (``SelectionError``): a chain has two
+  or more members;
+- ``eval``, ``no_grad`` and ``inference_mode`` run each member plainly; under ``torch.compile``
+  the chain is one checkpoint region in the graph (no break, recomputed by the compiler), and the
+  parent's calls are checked as the graph is traced.
 """
 
 from __future__ import annotations
 
-__all__ = ['Checkpoint', 'CheckpointModule', 'apply_checkpoint']
+__all__ = ['ChainMember', 'Checkpoint', 'CheckpointModule', 'apply_checkpoint']
 
 import contextlib
 import dataclasses
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -47,20 +75,21 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper, unwrap
-from ..select import Pattern, SelectionError, block_groups, pattern_for, require_module
+from ..select import Pattern, SelectionError, block_groups, has_params, pattern_for, require_module
 from ..step import Candidate, Context, Step, Targets
 
 
 class _RestoreNormStats:
     """Recompute context: put BatchNorm running statistics back as they were before it."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
 
     def __enter__(self) -> None:
         self.saved = [
             (buf, buf.clone())
-            for m in self.module.modules()
+            for module in self.modules
+            for m in module.modules()
             if isinstance(unwrap(m), nn.modules.batchnorm._NormBase)  # also a BatchNorm inside bn_act
             for buf in m.buffers(recurse=False)
         ]
@@ -82,11 +111,11 @@ def _call(module: nn.Module, kwargs: dict, *args: Any) -> Any:
 
 
 class _Run:
-    """What torch's checkpoint runs: the module on the caller's inputs in the forward, and in the
+    """What torch's checkpoint runs: the region on the caller's inputs in the forward, and in the
     recompute on a copy of the containers among them as they were before the forward, so that a
     region writing into a dict it was given recomputes from what it was given."""
 
-    def __init__(self, module: nn.Module, clone: bool, args: tuple, kwargs: dict) -> None:
+    def __init__(self, module: Callable[..., Any], clone: bool, args: tuple, kwargs: dict) -> None:
         self.module, self.clone = module, clone
         self.before = tree_map(_same, (args, kwargs))  # the containers copied, the tensors not
         self.calls = 0
@@ -98,6 +127,27 @@ class _Run:
         if self.clone:
             args, kwargs = tree_map(torch.clone, (args, kwargs))
         return _call(self.module, kwargs, *args)
+
+
+def _checkpointed(fn: Callable[..., Any], modules: list[nn.Module], what: str, clone: bool,
+                  args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, with the eager safeguards: the
+    BatchNorm statistics of ``modules`` put back after the recompute, the containers among the
+    inputs copied for it, and an input changed in place raised after the forward, naming the
+    region (``what``: "module 'layer1'")."""
+    inputs = list(tensors((args, kwargs)))
+    versions = [t._version for t in inputs]
+    out = _torch_checkpoint(
+        _Run(fn, clone, args, kwargs), kwargs, *args,
+        use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _RestoreNormStats(modules)),
+    )
+    if any(t._version != v for t, v in zip(inputs, versions)):
+        raise RuntimeError(
+            f"shrinkwrap: checkpointed {what} modified its input in place; "
+            "its recompute in backward would start from the modified value. Checkpoint a region "
+            "that starts after the in-place operation, or pass clone_inputs=True."
+        )
+    return out
 
 
 class CheckpointModule(TransparentWrapper):
@@ -125,9 +175,6 @@ class CheckpointModule(TransparentWrapper):
         self._sw_name = name or type(module).__name__
         self._sw_clone_inputs = clone_inputs
 
-    def _contexts(self) -> tuple[Any, Any]:
-        return contextlib.nullcontext(), _RestoreNormStats(self.wrapped)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped
         # A Hugging Face layer with its own gradient checkpointing on (Trainer's
@@ -141,19 +188,108 @@ class CheckpointModule(TransparentWrapper):
             # once, and its graphs are functional, so an in-place input change cannot leak into
             # the recompute; the eager safeguards below are neither needed nor traceable.
             return _torch_checkpoint(_call, inner, kwargs, *args, use_reentrant=False)
-        inputs = list(tensors((args, kwargs)))
-        versions = [t._version for t in inputs]
-        out = _torch_checkpoint(
-            _Run(inner, self._sw_clone_inputs, args, kwargs), kwargs, *args,
-            use_reentrant=False, context_fn=self._contexts,
-        )
-        if any(t._version != v for t, v in zip(inputs, versions)):
-            raise RuntimeError(
-                f"shrinkwrap: checkpointed module {self._sw_name!r} modified its input in place; "
-                "its recompute in backward would start from the modified value. Checkpoint a region "
-                "that starts after the in-place operation, or pass clone_inputs=True."
-            )
+        return _checkpointed(inner, [inner], f"module {self._sw_name!r}", self._sw_clone_inputs, args, kwargs)
+
+
+class _Chain:
+    """One chain region: its members (the wrappers, in their parent's order) and where the parent's
+    forward is in it.
+
+    ``step`` is the index of the member the parent must call next (0: no forward in progress),
+    ``last`` the output that member must be called with, ``outs`` every member's output computed
+    at the first member's call (None while the first training forward observes the members run
+    plainly: ``verified`` turns true once it saw the parent chain them)."""
+
+    def __init__(self, names: list[str], clone: bool) -> None:
+        self.names, self.clone = names, clone
+        self.text = " -> ".join(map(repr, names))  # for messages; a string, which dynamo can format
+        self.members: list[ChainMember] = []
+        self.verified = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.step, self.last, self.outs = 0, None, None
+
+    def __getstate__(self) -> dict:
+        # A copy starts between forwards: the outputs held for the parent are not copied with it.
+        state = dict(self.__dict__)
+        state.update(step=0, last=None, outs=None)
+        return state
+
+    def run(self, *args: Any, **kwargs: Any) -> tuple:
+        """The region: each member on the previous member's output; every member's output."""
+        outs = [self.members[0].wrapped(*args, **kwargs)]
+        for member in self.members[1:]:
+            outs.append(member.wrapped(outs[-1]))
+        return tuple(outs)
+
+    def call(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """The parent calls member ``i`` with ``args``, ``kwargs``."""
+        member = self.members[i]
+        if i == 0 and self.step:
+            raise self._broken(f"the forward before called {self.names[self.step - 1]!r} and not "
+                               f"{self.names[self.step]!r} after it")
+        if not self.step and not (torch.is_grad_enabled() and any(m.training for m in self.members)):
+            return member.wrapped(*args, **kwargs)
+        if i == 0:
+            if torch.compiler.is_compiling():
+                # As CheckpointModule's compiled form: the region traced into the graph, recomputed
+                # by the compiler's partitioner. The calls below are checked as the graph is traced.
+                self.outs = _torch_checkpoint(_call, self.run, kwargs, *args, use_reentrant=False)
+            elif self.verified:
+                self.outs = _checkpointed(self.run, self.members, f"chain {self.text}", self.clone, args, kwargs)
+            out = member.wrapped(*args, **kwargs) if self.outs is None else self.outs[0]
+            self.step, self.last = 1, out
+            return out
+        if not self.step:
+            raise self._broken(f"{member._sw_name!r} was called without {self.names[0]!r} before it")
+        if i != self.step:
+            raise self._broken(f"{member._sw_name!r} was called where {self.names[self.step]!r} comes next")
+        if kwargs or len(args) != 1 or args[0] is not self.last:
+            raise self._broken(f"{member._sw_name!r} was called with something other than the output "
+                               f"of {self.names[i - 1]!r} alone")
+        if self.outs is not None:
+            out = self.outs[i]
+        else:
+            try:
+                out = member.wrapped(*args)
+            except BaseException:
+                self._reset()  # a forward that raised inside a member is not a parent that stops there
+                raise
+        if i < len(self.members) - 1:
+            self.step, self.last = i + 1, out
+            return out
+        if not torch.compiler.is_compiling():
+            self.verified = True
+        self._reset()
         return out
+
+    def _broken(self, what: str) -> RuntimeError:
+        self._reset()
+        return RuntimeError(
+            f"shrinkwrap: checkpoint chain {self.text}: {what}. A chain region runs all its members when "
+            "the first is called, so their parent must call each member once, in order, on the "
+            "previous member's output alone (x = self.conv1(x); x = self.bn1(x); ...). Checkpoint "
+            "these modules without chain=True, or checkpoint a module that holds them."
+        )
+
+
+class ChainMember(CheckpointModule):
+    """One member of a checkpoint chain: siblings their parent calls one after another, recomputed
+    in backward as one region (see the module docstring). The first member runs the whole chain
+    under checkpoint; each later one returns its precomputed output. Built by
+    ``checkpoint(pattern, chain=True)``; names and ``state_dict`` are unchanged."""
+
+    label = "CheckpointChain"
+
+    def __init__(self, module: nn.Module, chain: _Chain, *, name: str = "") -> None:
+        super().__init__(module, name=name, clone_inputs=chain.clone)
+        self._sw_chain = chain
+        self._sw_index = len(chain.members)
+        chain.members.append(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sw_chain.call(self._sw_index, args, kwargs)
 
 
 class _NoCacheInTraining:
@@ -192,6 +328,29 @@ def _cache_hooks(model: nn.Module, regions: list[str]) -> tuple[list, list[str]]
     return undo, notes
 
 
+def _chains(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """``names`` (outermost, in ``named_modules`` order) as chains: runs of siblings adjacent in
+    their parent's registration order. A name with no selected sibling next to it is an error."""
+    runs: list[list[str]] = []
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        keys = list(_rewrite.get_module(model, parent)._modules)
+        before = keys.index(leaf) - 1
+        if runs and before >= 0 and runs[-1][-1] == (f"{parent}.{keys[before]}" if parent else keys[before]):
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    for run in runs:
+        if len(run) == 1:
+            raise SelectionError(
+                f"shrinkwrap: cannot checkpoint {run[0]!r} as a chain: no module next to it in its "
+                "parent's order is selected, and a chain is two or more sibling modules that their "
+                "parent calls one after another. Select its neighbours too, or checkpoint it "
+                "without chain=True."
+            )
+    return runs
+
+
 def _first_leaf(module: nn.Module) -> nn.Module:
     while True:
         children = list(module.children())
@@ -204,9 +363,17 @@ def _first_leaf(module: nn.Module) -> nn.Module:
 class Checkpoint(Step):
     """Step: checkpoint the submodules that ``pattern`` selects (outermost matches only).
 
+    Args:
+        pattern: which modules (see :func:`shrinkwrap.select`); each is one region.
+        clone_inputs: give each region a private copy of its inputs (regions that start in place).
+        chain: selected siblings next to each other in their parent's order are one region, for
+            modules the parent calls one after another (see the module docstring); a selected
+            module with no selected neighbour is an error.
+
     Example::
 
         >>> sw.apply(model, sw.Plan([sw.checkpoint(r"layer[12]")]))
+        >>> sw.apply(resnet, sw.Plan([sw.checkpoint(r"conv1|bn1|relu|maxpool", chain=True)]))  # the stem
     """
 
     name = "checkpoint"
@@ -214,24 +381,34 @@ class Checkpoint(Step):
 
     pattern: Pattern
     clone_inputs: bool = False
+    chain: bool = False
 
     def targets(self, model: nn.Module) -> Targets:
+        """Matched: the modules to wrap; payload: the regions, a list of names each (one name
+        each, or the members of each chain)."""
         wrap, skipped = _rewrite.wrap_targets(model, self.pattern, CheckpointModule, "checkpoint", "checkpointed")
-        for name in wrap:
-            first = _first_leaf(model.get_submodule(name))
+        regions = _chains(model, wrap) if self.chain else [[name] for name in wrap]
+        for region in regions:
+            first = _first_leaf(model.get_submodule(region[0]))
             if not self.clone_inputs and getattr(first, "inplace", False):
+                what = f"the chain {' -> '.join(map(repr, region))}" if self.chain else repr(region[0])
                 raise SelectionError(
-                    f"shrinkwrap: cannot checkpoint {name!r}: it starts with an in-place "
+                    f"shrinkwrap: cannot checkpoint {what}: it starts with an in-place "
                     f"{type(first).__name__}, which modifies the region's input that the "
                     "recompute needs. Checkpoint a region that starts after it, or pass clone_inputs=True."
                 )
-        return Targets(wrap, skipped)
+        return Targets(wrap, skipped, payload=regions)
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         undo = _rewrite.unwrap_inside(model, targets.matched, CheckpointModule)
-        undo += _rewrite.replace(
-            model, targets.matched, lambda n, m: CheckpointModule(m, name=n, clone_inputs=self.clone_inputs)
-        )
+        if self.chain:
+            chains: dict[str, _Chain] = {}
+            for names in targets.payload:
+                chains.update(dict.fromkeys(names, _Chain(names, self.clone_inputs)))
+            make = lambda n, m: ChainMember(m, chains[n], name=n)  # noqa: E731
+        else:
+            make = lambda n, m: CheckpointModule(m, name=n, clone_inputs=self.clone_inputs)  # noqa: E731
+        undo += _rewrite.replace(model, targets.matched, make)
         hooks, notes = _cache_hooks(model, targets.matched)
         targets.notes += notes
         return undo + hooks
@@ -239,8 +416,10 @@ class Checkpoint(Step):
     @classmethod
     def merge(cls, steps: list[Step], model: nn.Module) -> list[Step]:
         """Regions chosen by name become one step with one regex selecting exactly them
-        (``checkpoint(r'layer3\\.\\d+|layer4\\.(?:0|1)')``, not a tuple of names)."""
-        named = [s for s in steps if isinstance(s.pattern, tuple) and all(isinstance(p, str) for p in s.pattern)]
+        (``checkpoint(r'layer3\\.\\d+|layer4\\.(?:0|1)')``, not a tuple of names). Chain steps stay
+        as they are: merged with each other, two chains side by side would become one."""
+        named = [s for s in steps if not s.chain and isinstance(s.pattern, tuple)
+                 and all(isinstance(p, str) for p in s.pattern)]
         if not named or len({s.clone_inputs for s in named}) > 1:
             return steps
         names = [n for s in named for n in s.pattern]
@@ -253,9 +432,11 @@ class Checkpoint(Step):
         consecutive blocks; an inner stage (an EfficientNet stage inside ``features``) gives the
         whole stage, or its blocks in two groups where it has no forward. A stack of six or more
         blocks also gives every second and every third block: half or a third of the recompute
-        for about that share of the saving, points between the groups."""
+        for about that share of the saving, points between the groups. The modules a parent calls
+        before its first stack (a ResNet's stem) give one chain region (see :func:`_stems`)."""
         out: list[Candidate] = []
-        for container, blocks, nested in block_groups(model):
+        groups = block_groups(model)
+        for container, blocks, nested in groups:
             stage = bool(container) and isinstance(model.get_submodule(container), nn.Sequential)
             regions = [[container]] if stage else []
             if not (nested and stage):
@@ -265,7 +446,39 @@ class Checkpoint(Step):
                 step = cls(tuple(names))
                 if all(tuple(names) != c.covers for c in out) and step.applies(model):
                     out.append(Candidate((step,), tuple(names)))
+        for names in _stems(model, groups):
+            step = cls(pattern_for(model, names), chain=True)
+            if step.applies(model):
+                out.append(Candidate((step,), tuple(names)))
         return out
+
+
+def _stems(model: nn.Module, groups: list[tuple[str, list[str], bool]]) -> list[list[str]]:
+    """Chains worth a candidate: per module holding a stack of blocks (``groups``, from
+    :func:`block_groups`), the children right before its first stack, two or more of them with
+    parameters among them: a ResNet's ``conv1 -> bn1 -> relu -> maxpool`` before ``layer1``.
+    Checkpointed one by one each would keep its own input; as one chain only the first's is kept.
+
+    Only before an ``nn.Sequential`` stack (a ResNet's stage, called as one module in a line of
+    calls): before a ``ModuleList`` of transformer layers the modules are embeddings whose outputs
+    are added up, not chained. The run stops at a module with no forward (``ModuleList``)."""
+    stacks: dict[str, set[str]] = {}  # parent -> the keys of its children that are, or start, a stack
+    for container, blocks, _ in groups:
+        if isinstance(unwrap(_rewrite.get_module(model, container)), nn.Sequential):
+            for name in (container, blocks[0]) if container else blocks[:1]:
+                parent, _, key = name.rpartition(".")
+                stacks.setdefault(parent, set()).add(key)
+    stems = []
+    for parent, keys in stacks.items():
+        run: list[tuple[str, nn.Module]] = []
+        for key, child in _rewrite.get_module(model, parent)._modules.items():
+            if key in keys:
+                break
+            runs = child is not None and type(unwrap(child)).forward is not nn.Module.forward
+            run = run + [(f"{parent}.{key}" if parent else key, child)] if runs else []
+        if len(run) >= 2 and any(has_params(m) for _, m in run):
+            stems.append([n for n, _ in run])
+    return stems
 
 
 def _chunks(items: list[str], n: int) -> list[list[str]]:
@@ -273,16 +486,19 @@ def _chunks(items: list[str], n: int) -> list[list[str]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool = False) -> nn.Module:
+def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool = False,
+                     chain: bool = False) -> nn.Module:
     """Checkpoint the submodules of ``model`` that ``pattern`` selects, in place; return ``model``.
 
-    See :class:`CheckpointModule` for what is preserved. Raises ``SelectionError`` for a pattern
-    that matches nothing, a module with no forward (``ModuleList``), or a region that starts with
-    an in-place operation (unless ``clone_inputs=True``).
+    See :class:`CheckpointModule` for what is preserved, and the module docstring for
+    ``chain=True``. Raises ``SelectionError`` for a pattern that matches nothing, a module with no
+    forward (``ModuleList``), a region that starts with an in-place operation (unless
+    ``clone_inputs=True``), or, with ``chain=True``, a module with no selected neighbour.
 
     Example::
 
         >>> apply_checkpoint(resnet, r"layer[12]")
         >>> print(resnet.layer1)   # Checkpoint[Sequential](...)
     """
-    return Checkpoint(pattern, clone_inputs=clone_inputs).apply(require_module(model, "apply_checkpoint()"))
+    step = Checkpoint(pattern, clone_inputs=clone_inputs, chain=chain)
+    return step.apply(require_module(model, "apply_checkpoint()"))
