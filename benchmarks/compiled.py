@@ -28,11 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import shrinkwrap as sw  # noqa: E402
 from run import MODELS, SEQ, HandAutocast, _load, build, same_run_main  # noqa: E402
 
+STEM = r"checkpoint(r'conv1|bn1|relu|maxpool', chain=True)"  # torchvision ResNets' stem, one region
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
 PLANS: dict[str, dict[str, str]] = {
     "resnet18": {
         "sw_bf16_cl": r"channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_bf16_cl_budget0.5": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_stem_bf16_cl": STEM + r", channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_stem_ckpt_first_blocks_bf16_cl": STEM + r", checkpoint(r'layer\d\.0'), channels_last(), "
+                                             r"autocast(torch.bfloat16), compile()",
+        "sw_stem_ckpt_blocks_bf16_cl": STEM + r", checkpoint(r'layer\d\.\d+'), channels_last(), "
+                                       r"autocast(torch.bfloat16), compile()",
     },
     "efficientnet_b0": {
         "sw_bn_act_bf16": r"bn_act(), autocast(torch.bfloat16), compile()",

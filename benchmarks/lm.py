@@ -123,7 +123,8 @@ def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str,
         try:
             model = make(build(name, shared))
             prof = sw.measure(model, batch, iterations=2, warmup=2, device="cuda")
-            head_off = sw.measure(model, no_head, iterations=1, warmup=1, device="cuda")
+            # Compiled rows skip it: another set of kwargs is another compilation.
+            head_off = None if "compile" in config else sw.measure(model, no_head, iterations=1, warmup=1, device="cuda")
         except Exception as exc:  # noqa: BLE001 - an anchor the installed version lacks is a row
             rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
             print(f"failed {config}: {rows[-1]['error']}", file=sys.stderr, flush=True)
@@ -134,7 +135,7 @@ def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str,
         rows.append({**row, "peak_mib": round(prof.peak / mib, 1), "static_mib": round(prof.static / mib, 1),
                      "activation_mib": round((prof.peak - prof.static) / mib, 1),
                      "held_mib": round((_after_loss(prof) - prof.static) / mib, 1),
-                     "head_share": round((prof.peak - head_off.peak) / prof.peak, 4),
+                     "head_share": head_off and round((prof.peak - head_off.peak) / prof.peak, 4),
                      "graph_breaks": prof.graph_breaks,
                      "transfers_mib": {k: round(v / mib, 1) for k, v in prof.transfers.items()},
                      "top_modules": [(n, round(b / mib, 1)) for n, b in prof.top_modules[:4]]})
@@ -161,9 +162,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['model']} | {r['config']} | {r['error']} |||||||||")
             continue
         ratio = lambda key: f"{r[key] / base[key]:.2f}" if base and r.get(key) else "-"  # noqa: E731
+        head = "-" if r["head_share"] is None else f"{100 * r['head_share']:.1f}%"
         moved = ", ".join(f"{k} {v}" for k, v in r["transfers_mib"].items()) or "-"
         lines.append(f"| {r['model']} | {r['plan'] or r['config']} | {r['peak_mib']} | {r['activation_mib']} | "
-                     f"{ratio('activation_mib')} | {r['held_mib']} | {100 * r['head_share']:.1f}% | {r.get('step_ms', '-')} "
+                     f"{ratio('activation_mib')} | {r['held_mib']} | {head} | {r.get('step_ms', '-')} "
                      f"({r.get('step_ms_low')}-{r.get('step_ms_high')}) | {ratio('step_ms')} | {moved} | "
                      f"{'-' if r['graph_breaks'] is None else r['graph_breaks']} |")
     return "\n".join(lines)

@@ -130,8 +130,13 @@ ANCHORS: dict[str, Callable[[nn.Module, tuple[str, ...]], nn.Module]] = {
 }
 
 
+def recipes(model: str) -> dict[str, str]:
+    """The hand recipes, and each compiled (``compile()`` is a plan's last step)."""
+    return {**RECIPES[model], **{f"{name}_compiled": f"{text}, compile()" for name, text in RECIPES[model].items()}}
+
+
 def configurations(model: str) -> list[str]:
-    return list(ANCHORS) + list(RECIPES[model]) + ["auto"]
+    return list(ANCHORS) + list(recipes(model)) + ["auto"]
 
 
 # -- one configuration, in this process ---------------------------------------------------------------
@@ -178,7 +183,7 @@ def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
         row.update(kind="anchor", plan=None)
         model = ANCHORS[config](model, blocks)
     else:
-        plan = sw.Plan.parse(RECIPES[model_name][config])
+        plan = sw.Plan.parse(recipes(model_name)[config])
         row.update(kind="shrinkwrap", plan=str(plan))
         sw.apply(model, plan)
     try:
