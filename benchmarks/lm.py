@@ -11,10 +11,8 @@ Models (random initialisation from a config, no downloads; labels = the inputs):
 
 Every configuration is a fresh module tree over the SAME parameter tensors (one copy of the weights
 on the GPU, whatever the number of rows). Memory: ``shrinkwrap.measure`` with AdamW, one
-configuration at a time (activation = steady-state peak - allocated before it, which counts the
-gradients made in backward; held for backward = allocated when the forward and its loss are
-done - allocated before it: what the forward leaves for backward). The head's share
-of the peak: the same configuration called with ``logits_to_keep=1`` (the model's own way to skip
+configuration at a time; see ``_figures`` for what activation and held for backward are. The head's share
+of the training peak (forward, loss and backward): the same configuration called with ``logits_to_keep=1`` (the model's own way to skip
 all but the last position's logits; its loss is the kept logits' mean), head share = (peak -
 that peak) / peak. Step time: ``shrinkwrap.time_interleaved`` (configurations in turns, median of
 the rounds and the fastest-slowest round), with SGD (no optimizer state: the rows share weights;
@@ -103,9 +101,26 @@ def build(name: str, weights: nn.Module | None) -> nn.Module:
     return model
 
 
-def _after_loss(prof: Any) -> int:
-    """Allocated when the forward and the loss are done: what the forward leaves for backward."""
-    return next(p.allocated for p in prof.steady_step if p.name == "loss")
+def _phase(prof: Any, name: str) -> Any:
+    return next(p for p in prof.steady_step if p.name == name)
+
+
+def _train_peak(prof: Any) -> int:
+    return max(p.peak for p in prof.steady_step if p.name != "step")
+
+
+def _figures(prof: Any) -> dict[str, Any]:
+    """Activation: the peak of forward, loss and backward above what was allocated before the
+    iteration (the optimizer's step is left out: AdamW's foreach temporaries, one parameter-sized
+    set, set the whole iteration's peak of a 1B model whatever the activations); held for
+    backward: allocated when forward and loss are done, above what was allocated once zero_grad
+    had freed the gradients."""
+    mib = 2**20
+    train_peak = _train_peak(prof)
+    return {"peak_mib": round(prof.peak / mib, 1), "static_mib": round(prof.static / mib, 1),
+            "activation_mib": round((train_peak - prof.static) / mib, 1),
+            "optimizer_step_mib": round((_phase(prof, "step").peak - prof.static) / mib, 1),
+            "held_mib": round((_phase(prof, "loss").allocated - _phase(prof, "zero_grad").allocated) / mib, 1)}
 
 
 def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
@@ -132,10 +147,8 @@ def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str,
             continue
         models[config] = model
         mib = 2**20
-        rows.append({**row, "peak_mib": round(prof.peak / mib, 1), "static_mib": round(prof.static / mib, 1),
-                     "activation_mib": round((prof.peak - prof.static) / mib, 1),
-                     "held_mib": round((_after_loss(prof) - prof.static) / mib, 1),
-                     "head_share": head_off and round((prof.peak - head_off.peak) / prof.peak, 4),
+        rows.append({**row, **_figures(prof),
+                     "head_share": head_off and round((_train_peak(prof) - _train_peak(head_off)) / _train_peak(prof), 4),
                      "graph_breaks": prof.graph_breaks,
                      "transfers_mib": {k: round(v / mib, 1) for k, v in prof.transfers.items()},
                      "top_modules": [(n, round(b / mib, 1)) for n, b in prof.top_modules[:4]]})
@@ -154,18 +167,18 @@ def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str,
 def table(rows: list[dict[str, Any]]) -> str:
     by = {r["config"]: r for r in rows if "error" not in r}
     base = by.get("fp32")
-    lines = ["| model | configuration | peak MiB | activation MiB | x fp32 | held for backward MiB | head share of "
-             "peak | step ms (rounds low-high) | x fp32 | PCIe MiB/iteration | graph breaks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | configuration | peak MiB | activation MiB | x fp32 | held for backward MiB | optimizer step MiB "
+             "| head share of peak | step ms (rounds low-high) | x fp32 | PCIe MiB/iteration | graph breaks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r['error']} |||||||||")
+            lines.append(f"| {r['model']} | {r['config']} | {r['error']} ||||||||||")
             continue
         ratio = lambda key: f"{r[key] / base[key]:.2f}" if base and r.get(key) else "-"  # noqa: E731
         head = "-" if r["head_share"] is None else f"{100 * r['head_share']:.1f}%"
         moved = ", ".join(f"{k} {v}" for k, v in r["transfers_mib"].items()) or "-"
         lines.append(f"| {r['model']} | {r['plan'] or r['config']} | {r['peak_mib']} | {r['activation_mib']} | "
-                     f"{ratio('activation_mib')} | {r['held_mib']} | {head} | {r.get('step_ms', '-')} "
+                     f"{ratio('activation_mib')} | {r['held_mib']} | {r['optimizer_step_mib']} | {head} | {r.get('step_ms', '-')} "
                      f"({r.get('step_ms_low')}-{r.get('step_ms_high')}) | {ratio('step_ms')} | {moved} | "
                      f"{'-' if r['graph_breaks'] is None else r['graph_breaks']} |")
     return "\n".join(lines)

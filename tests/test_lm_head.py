@@ -285,3 +285,23 @@ def test_compiled_trains_a_step_as_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-9, atol=1e-12)
     for name in grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_chunked_loss_and_gradients_match_the_float32_head():
+    """Under bf16 autocast on CUDA the weight's gradient is summed over chunks in float32 (addmm's
+    out_dtype): it stays as close to a float32 head's as the unchunked bf16 loss's does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, batch = _llama(512), {k: v.cuda() for k, v in _batch(512).items()}
+    model = model.float().cuda()
+    plain, bf16 = copy.deepcopy(model), copy.deepcopy(model)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=5), sw.autocast(torch.bfloat16)]))
+    sw.apply(bf16, sw.Plan([sw.autocast(torch.bfloat16)]))
+    ref_loss, ref = _loss_and_grads(plain, lambda: plain(**batch).loss)  # float32 throughout
+    base_loss, base = _loss_and_grads(bf16, lambda: bf16(**batch).loss)
+    loss, grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    assert abs(loss - ref_loss) <= 2 * abs(base_loss - ref_loss) + 1e-3
+    for name in ("lm_head.weight", "model.norm.weight"):
+        err, base_err = (grads[name] - ref[name]).norm(), (base[name] - ref[name]).norm()
+        assert err <= 2 * base_err + 1e-6 * ref[name].norm(), (name, err, base_err)

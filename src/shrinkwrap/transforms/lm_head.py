@@ -60,6 +60,19 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in ``acc``'s dtype, in place where it can be: a bfloat16 product goes into a
+    float32 sum without a bfloat16 copy of it (``addmm``'s ``out_dtype``, CUDA only)."""
+    if torch.compiler.is_compiling():
+        return acc + (a @ b).to(acc.dtype)  # the compiler fuses the sum
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if acc.is_cuda:
+        with torch.autocast("cuda", enabled=False):  # autocast would round the sum to bfloat16
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.add_(a @ b)
+
+
 class _HeadLoss(torch.autograd.Function):
     """Summed cross-entropy of ``linear(hidden, weight, bias)`` against ``labels``, scaled by
     ``scale``, one chunk of rows at a time. The forward computes each chunk's gradients with its
@@ -95,16 +108,16 @@ class _HeadLoss(torch.autograd.Function):
             total = total + ((lse - z.gather(1, target).squeeze(1)) * counted).sum()
             if not (want_h or want_w or want_b):
                 continue
-            g = torch.exp(z - lse.unsqueeze(1))  # d(sum of losses)/dz: softmax - one-hot, on counted rows
+            g = torch.softmax(z, dim=-1)  # d(sum of losses)/dz: softmax - one-hot, on counted rows
             g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
-            g = g * (counted.unsqueeze(1) * scale)
+            g.mul_((counted * scale).unsqueeze(1))
             if softcap is not None:
-                g = g * (1 - t * t)
+                g.mul_(1 - t * t)
             gd = g.to(dtype)
             if want_h:
                 grad_h[start:start + chunk_size] = gd @ w
             if want_w:
-                grad_w += gd.t() @ h
+                grad_w = _add_product(grad_w, gd.t(), h)
             if want_b:
                 grad_b += g.sum(0)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
