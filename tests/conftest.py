@@ -13,9 +13,9 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two CUDA GPUs; this machine has {gpus}"))
+        elif "cuda" in item.keywords and not gpus:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

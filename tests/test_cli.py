@@ -81,6 +81,9 @@ def test_profile_reads_the_input_shape_a_factory_declares(capsys):
     (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "checkpoint("], "cannot read plan"),
     (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--plan", "checkpoint('nope')"], "matches no module"),
     (["demo", "--snapshot", "s.pickle", "--device", "cpu"], "--snapshot"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--fsdp", "--device", "cpu"], "add --nproc N"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--nproc", "2", "--device", "cpu"],
+     "--nproc needs --fsdp or --ddp"),
 ])
 def test_bad_input_gets_one_clear_line(capsys, argv, expected):
     one_error_line(capsys, argv, expected)
@@ -108,6 +111,25 @@ def test_profile_without_a_plan_profiles_the_model_as_it_is(capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_asked_without_cuda(capsys):
     one_error_line(capsys, ["demo", "--device", "cuda"], "--device cuda asked")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has four GPUs")
+def test_more_ranks_than_gpus(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve_device would refuse first
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    one_error_line(capsys, ["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "1", "--nproc", "4", "--ddp",
+                            "--device", "cuda"], "--nproc 4 needs a GPU per rank")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--nproc", "2", "--fsdp"], ["--fsdp"]),
+    (["--fsdp", "--nproc=2", "--plan", "x"], ["--fsdp", "--plan", "x"]),
+    (["--np", "2", "--ddp"], ["--ddp"]),  # argparse reads an abbreviation as --nproc
+])
+def test_a_rank_is_started_without_nproc(argv, expected):
+    from shrinkwrap.cli import _without_nproc
+
+    assert _without_nproc(["profile", "m:f", *argv]) == ["profile", "m:f", *expected]
 
 
 @pytest.mark.parametrize("package", ["torchvision", "timm", "transformers"])

@@ -15,7 +15,7 @@ LAYERS = [
     {"step"},
     {"transforms"},
     {"plan"},
-    {"measure"},
+    {"measure", "parallel"},  # parallel: shard or replicate a model to measure, start the ranks
     {"report"},
     {"compare"},
     {"autoplan"},

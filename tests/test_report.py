@@ -1,5 +1,6 @@
 """Reports: table, markdown, JSON schema (stable field names) and the plot, from known numbers."""
 
+import dataclasses
 import json
 import sys
 
@@ -14,14 +15,14 @@ MiB = 2**20
 
 TOP_KEYS = {
     "schema", "device", "device_name", "torch_version", "model", "batch", "isolation", "notes",
-    "metric", "metric_label", "rows",
+    "world_size", "metric", "metric_label", "rows",
 }
 ROW_KEYS = {
     "step", "plan", "status", "error", "value_mib", "delta_prev_mib", "delta_base_mib", "ratio_base",
     "step_ms", "step_ratio", "matched", "skipped", "peak_mib", "first_peak_mib", "static_mib", "saved_mib",
     "parameters_mib", "gradients_mib", "optimizer_state_mib", "batch_mib", "breakdown", "phases",
     "top_modules", "timeline_probe", "timeline", "snapshot", "role", "round", "batch_size", "fits",
-    "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib",
+    "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib", "rank", "ranks",
 }
 
 
@@ -113,6 +114,38 @@ def test_text_and_markdown_name_device_torch_and_units(cuda):
     assert "OOM" in text and "CUDA out of memory" in text and "note: a note" in text
     cells = [line.count(" | ") for line in md.splitlines() if line.startswith("| ")]
     assert len(set(cells)) == 1 and len(cells) == 1 + len(r.rows)
+
+
+def ranked(*per_rank: Profile) -> Profile:
+    """Rank 0's profile of a row measured on ``len(per_rank)`` ranks, as measure gives it."""
+    for r, p in enumerate(per_rank):
+        p.rank = r
+    return dataclasses.replace(per_rank[0], ranks=list(per_rank))
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_report_of_several_ranks_shows_each_rank_and_heads_with_the_largest(cuda):
+    peak = (lambda mib: mib) if cuda else (lambda mib: None)
+    rows = [Row(Plan.parse(""), ranked(prof(100, 10, peak(200)), prof(120, 11, peak(260))), role="baseline"),
+            Row(Plan.parse("checkpoint('layer1')"), ranked(prof(60, 15, peak(150)), prof(50, 14, peak(140))),
+                ("layer1",), role="step")]
+    r = Report(rows, device="cuda:0" if cuda else "cpu", device_name="x", torch_version=torch.__version__)
+    data = r.to_dict()
+    assert r.world_size == data["world_size"] == 2
+    heads = [260.0, 150.0] if cuda else [120.0, 60.0]
+    assert [row["value_mib"] for row in data["rows"]] == heads  # the rank that runs out of memory first
+    assert data["rows"][1]["ratio_base"] == round(heads[1] / heads[0], 4)
+    assert [q["rank"] for q in data["rows"][0]["ranks"]] == [0, 1] and data["rows"][0]["rank"] == 0
+    assert [q["value_mib"] for q in data["rows"][1]["ranks"]] == ([150.0, 140.0] if cuda else [60.0, 50.0])
+    text = r.to_text()
+    header = next(line for line in text.splitlines() if line.startswith("step "))
+    assert "max of 2 ranks" in header and "rank 0" in header and "rank 1" in header
+    baseline = next(line for line in text.splitlines() if line.startswith("baseline"))
+    assert baseline.split()[1:4] == (["260.0", "200.0", "260.0"] if cuda else ["120.0", "100.0", "120.0"])
+    assert "each of 2 ranks" in text
+    assert "rank 1: " in str(rows[0].profile)
+    single = report(cuda).to_dict()
+    assert single["world_size"] == 1 and single["rows"][0]["ranks"] == [] and single["rows"][0]["rank"] is None
 
 
 def test_save_by_suffix(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -224,6 +225,29 @@ def unwrap_inside(model: nn.Module, names: list[str], wrapper: type) -> list[Rep
     return replace(model, inner, lambda n, m: m.wrapped)
 
 
+def sharded(model: nn.Module) -> list[str]:
+    """The names of the modules in ``model`` that FSDP2's ``fully_shard`` manages (``""``: the root).
+
+    Reads ``sys.modules`` only: where ``torch.distributed.fsdp`` was never imported, nothing was
+    sharded, and nothing is imported here.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    owner = getattr(fsdp, "FSDPModule", None)
+    if owner is None:
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, owner)]
+
+
+def refuse_sharded(model: nn.Module, doing: str, why_and_fix: str) -> None:
+    """Raise if ``fully_shard`` manages a module of ``model`` (shrinkwrap's rewrites go before it),
+    with a message saying what ``doing`` would break and what to do instead."""
+    names = sharded(model)
+    if names:
+        shown = ", ".join(repr(n) if n else "the root" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ValueError(f"shrinkwrap: cannot {doing} {type(model).__name__}: FSDP2's fully_shard already "
+                         f"manages {shown}. {why_and_fix}")
+
+
 def records(model: nn.Module) -> list[Record]:
     """What shrinkwrap has applied to ``model``, oldest first (an empty list if nothing).
 
@@ -256,6 +280,12 @@ def revert(model: nn.Module, keep: int = 0) -> nn.Module:
         >>> sw.revert(model)   # model.layer1 is the original Sequential again
     """
     recs = records(require_module(model, "revert()"))
+    if len(recs) > keep:
+        # fully_shard hooked the wrappers it was given: without them, those modules would run
+        # their forward on sharded parameters (an error in the first forward).
+        refuse_sharded(model, "revert", "shrinkwrap's wrappers hold FSDP's hooks for the modules they wrap; "
+                       "without them those modules would run on sharded parameters. Revert before sharding, "
+                       "or build the model again.")
     kept: list[str] = []
     while len(recs) > keep:
         rec = recs.pop()

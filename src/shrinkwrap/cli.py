@@ -7,12 +7,18 @@ on a laptop CPU, CUDA when present). ``shrinkwrap profile`` measures a plan on a
 modules that keep the most). Bad input, and a model factory that raises, get one line on stderr and
 exit status 2.
 
+``shrinkwrap profile ... --nproc N --fsdp`` (or ``--ddp``) measures on N ranks of this machine: it
+starts them through ``torch.distributed.run``, each applies the plan, then shards its model with
+FSDP2 (each block, then the root) or wraps it in DDP, and measures; rank 0 prints the report, a
+column per rank. The same command started under ``torchrun`` (without ``--nproc``) is one rank.
+
 Example::
 
     shrinkwrap demo
     shrinkwrap profile torchvision:resnet18 --batch 128
     shrinkwrap profile torchvision:resnet18 --batch 128 --plan "checkpoint('layer[1-4]'), autocast(torch.bfloat16)" \\
         --json report.json --plot memory.png
+    shrinkwrap profile torchvision:resnet18 --batch 64 --plan "checkpoint('layer[1-4]')" --nproc 2 --fsdp
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .compare import plan_report
+from . import parallel
+from .compare import Parallelize, plan_report
+from .measure.ranks import rank_and_world
 from .measure.step import resolve_device
 from .plan import Plan
 from .select import got
@@ -208,15 +216,17 @@ def _positive(text: str) -> int:
     return value
 
 
-def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str) -> int:
-    device = _device(args.device)
+def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str,
+         parallelize: Parallelize | None = None, device: str | None = None) -> int:
+    device = device or _device(args.device)
     if args.snapshot and not device.startswith("cuda"):
         raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
     if args.plot:
         _need("matplotlib")  # before minutes of measuring, not after
+    rank = (rank_and_world() or (0, 1))[0]
     report = plan_report(plan, factory, batch, iterations=args.iterations, device=device, snapshot=args.snapshot,
-                         progress=_Bar(), name=name)
-    return _emit(args, report)
+                         progress=_Bar() if rank == 0 else None, name=name, parallelize=parallelize)
+    return _emit(args, report) if rank == 0 else 0
 
 
 def _emit(args: argparse.Namespace, report: Any) -> int:
@@ -252,7 +262,54 @@ def _demo(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     plan = Plan.parse(args.plan)  # no --plan: the model as it is, its baseline and per-module table
     factory, batch = load_model(args.model, args.input, args.batch)
+    if parallel.launched():
+        return _rank(args, factory, batch, plan)
+    if args.fsdp or args.ddp or args.nproc:
+        return _launch(args)
     return _run(args, factory, batch, plan, args.model)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Check what can be checked here, then start ``--nproc`` ranks of this same command."""
+    if not args.nproc:
+        raise CliError(f"--{'fsdp' if args.fsdp else 'ddp'} measures on several ranks: add --nproc N, "
+                       "or start the command under torchrun")
+    if not (args.fsdp or args.ddp):
+        raise CliError("--nproc needs --fsdp or --ddp: how each rank's model is sharded or replicated after the plan")
+    device = _device(args.device)
+    if device.startswith("cuda") and args.nproc > torch.cuda.device_count():
+        raise CliError(f"--nproc {args.nproc} needs a GPU per rank; this machine has {torch.cuda.device_count()}")
+    if args.snapshot and not device.startswith("cuda"):
+        raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
+    if args.plot:
+        _need("matplotlib")
+    return parallel.launch(args.nproc, _without_nproc(args.argv))
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N`` (or ``--nproc=N``, or argparse's abbreviation ``--np N``): a rank
+    does not start ranks, and torch.distributed.run would read ``--nproc`` as its own."""
+    out, skip = [], False
+    for tok in argv:
+        name = tok.partition("=")[0]
+        if skip:
+            skip = False
+        elif len(name) > 3 and "--nproc".startswith(name):
+            skip = "=" not in tok
+        else:
+            out.append(tok)
+    return out
+
+
+def _rank(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan) -> int:
+    """One rank under torchrun: join the group, measure every row with every rank, rank 0 prints."""
+    device = parallel.init(_device(args.device).partition(":")[0])  # each rank its own GPU
+    try:
+        wrap = parallel.fsdp if args.fsdp else parallel.ddp if args.ddp else None
+        parallelize = functools.partial(wrap, device=device) if wrap else None
+        return _run(args, factory, batch, plan, args.model, parallelize, str(device))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def _budget(text: str) -> float | str:
@@ -310,6 +367,12 @@ def _parser() -> argparse.ArgumentParser:
     model_args(prof)
     prof.add_argument("--plan", default="", help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\" "
                       "(default: none: the model as it is)")
+    prof.add_argument("--nproc", type=_positive, help="measure on N ranks of this machine, started through "
+                      "torch.distributed.run (with --fsdp or --ddp); rank 0 prints the report, a column per rank")
+    wrap = prof.add_mutually_exclusive_group()
+    wrap.add_argument("--fsdp", action="store_true",
+                      help="after the plan, shard each rank's model with FSDP2: fully_shard each block, then the root")
+    wrap.add_argument("--ddp", action="store_true", help="after the plan, wrap each rank's model in DistributedDataParallel")
     outputs(prof, iterations=5)
     prof.set_defaults(func=_profile)
 
@@ -328,6 +391,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shrinkwrap`` command; returns the exit status."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc starts on each rank
     try:
         return args.func(args)
     except (CliError, ValueError) as exc:  # PlanError and SelectionError are ValueErrors

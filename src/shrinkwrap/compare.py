@@ -9,6 +9,11 @@ CUDA each row runs in a fresh subprocess (``spawn``), so allocator caches and cu
 one row cannot leak into the next; where the row cannot be sent to a subprocess (a lambda in the
 plan, an unpicklable factory) it runs in this process after ``empty_cache`` and a reset of the peak
 statistics, and the report says so.
+
+Under a ``torch.distributed`` process group (``torchrun``) every rank builds and measures each row,
+in this process (a subprocess is not in the group), and each row's profile carries every rank's;
+``parallelize`` shards or replicates each row's model after its plan is applied (the order that
+keeps the plan's guarantees: plan, then ``fully_shard`` or DDP).
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import torch.nn as nn
 
 from . import _rewrite
 from ._tree import tensors, tree_map
-from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, resolve_device
+from .measure.ranks import rank_and_world
+from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .report import Report, Row
 from .select import wrong
 
 Progress = Callable[[int, int, str], None]
+Parallelize = Callable[[nn.Module], nn.Module]
 
 
 class _Copies:
@@ -83,16 +90,20 @@ def _last_record(model: nn.Module, plan: Plan) -> tuple[tuple, tuple]:
 
 
 def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, snapshot: str | None,
-         keep_going: bool = False) -> tuple[Profile | tuple[str, str], tuple, tuple]:
+         keep_going: bool = False, parallelize: Parallelize | None = None) -> tuple[Profile | tuple[str, str], tuple, tuple]:
     """Measure one row: (profile, matched, skipped). Out of memory comes back as ``("oom",
     message)`` in place of the profile, so the report goes on; with ``keep_going`` any other error
-    too, as ``("failed", message)``."""
+    too, as ``("failed", message)``. ``parallelize`` wraps the model after its plan is applied."""
     device = torch.device(options.device)
     matched: tuple = ()
     skipped: tuple = ()
     try:
         model = _build(make, device, plan)
         matched, skipped = _last_record(model, plan)
+        if parallelize is not None:
+            model = parallelize(model)
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"shrinkwrap: parallelize returned {type(model).__name__}, not an nn.Module")
         return measure_with(model, batch, options, snapshot), matched, skipped
     except torch.cuda.OutOfMemoryError as exc:
         # "CUDA out of memory. Tried to allocate 2.00 GiB"; the allocator's advice that follows is long.
@@ -133,6 +144,7 @@ def measure_plans(
     progress: Progress | None = None,
     name: str | None = None,
     keep_going: bool = False,
+    parallelize: Parallelize | None = None,
 ) -> Report:
     """Measure each plan on a fresh model from ``make`` (see :func:`model_maker`), each in isolation;
     one row per plan, in order (role ``baseline`` for the empty plan, else ``candidate``). A row's
@@ -150,6 +162,10 @@ def measure_plans(
         raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
     notes: list[str] = []
     isolate = device.type == "cuda" if isolate is None else isolate
+    if isolate and rank_and_world():
+        isolate = False
+        notes.append("rows measured in this process, not in subprocesses: a subprocess would not be in "
+                      "this process group")
     # CUDA tensors would be shared with a subprocess, not copied.
     batch = tree_map(lambda t: t.to("cpu"), batch) if isolate else batch
     if isolate:
@@ -169,7 +185,7 @@ def measure_plans(
         role = "candidate" if plan.steps else "baseline"
         if progress:
             progress(i, len(plans), str(plan) or "baseline")
-        args = (make, plan, batch, options, _numbered(snapshot, i) if snapshot else None, keep_going)
+        args = (make, plan, batch, options, numbered(snapshot, i) if snapshot else None, keep_going, parallelize)
         if isolate:
             try:
                 result, matched, skipped = _in_subprocess(args)
@@ -212,6 +228,7 @@ def plan_report(
     snapshot: str | None = None,
     progress: Progress | None = None,
     name: str | None = None,
+    parallelize: Parallelize | None = None,
 ) -> Report:
     """Measure the baseline and the plan's steps applied one after another; one row each.
 
@@ -226,6 +243,10 @@ def plan_report(
         snapshot: on CUDA, write one memory snapshot per row, named ``<stem>.<row><suffix>``.
         progress: called as ``progress(row_index, row_count, text)`` before each row.
         name: what the report calls the model (the factory's or class's name by default).
+        parallelize: ``model -> model``, called on each row's model after its plan is applied:
+            ``fully_shard`` each block and the root, or wrap in DDP (see
+            :mod:`shrinkwrap.parallel`). Under ``torchrun`` every rank calls ``plan_report``;
+            each row then shows every rank's figures (rank 0 prints the report).
 
     The whole plan is applied once to a fresh model before any row is measured, so a step that
     cannot apply raises at once. A row that runs out of CUDA memory says so; the rows after it
@@ -246,12 +267,7 @@ def plan_report(
         _clean(dev)
     prefixes = [Plan(plan.steps[:i]) for i in range(len(plan) + 1)]
     report = measure_plans(make, prefixes, batch, options, isolate=isolate, snapshot=snapshot,
-                           progress=progress, name=name)
+                           progress=progress, name=name, parallelize=parallelize)
     for row in report.rows[1:]:
         row.role = "step"
     return report
-
-
-def _numbered(path: str, i: int) -> str:
-    stem, dot, suffix = path.rpartition(".")
-    return f"{stem}.{i}.{suffix}" if dot and "/" not in suffix else f"{path}.{i}"

@@ -5,9 +5,14 @@ number is ``metric``: on CUDA ``peak_allocated`` (``max_memory_allocated`` over 
 training iteration), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
 which is activation memory, not a GPU peak.
 
+Measured under a ``torch.distributed`` process group (``torchrun``, FSDP2 or DDP), each row holds
+every rank's profile: the headline is the largest rank's figure (the rank that runs out of memory
+first), and the table has one column per rank.
+
 JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be added)::
 
     schema, device, device_name, torch_version, model, batch, isolation, notes[],
+    world_size (ranks measured; 1 without a process group),
     metric ("peak_allocated" | "saved_for_backward"), metric_label,
     rows[]:
       step (the row's label: "baseline", the step's text, "chosen (round 1)", ...),
@@ -15,7 +20,8 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       role ("baseline" | "step" | "candidate" | "chosen" | "batch"), round (autoplan's
         verification round, or null), batch_size and fits (maximize="batch" rows, or null),
       status ("ok" | "oom" | "failed"), error (null or the message),
-      value_mib (the metric), delta_prev_mib, delta_base_mib, ratio_base,
+      value_mib (the metric; of the largest rank under a process group), delta_prev_mib,
+      delta_base_mib, ratio_base,
       step_ms, step_ratio (against the baseline),
       matched[] (module names the step acted on), skipped[] ({module, reason}),
       peak_mib, first_peak_mib, static_mib (CUDA; null without),
@@ -30,7 +36,10 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
         CPU by offload regions; {} when nothing moved),
       compiled (the model ran under torch.compile), first_ms (the first iteration, compilation
         included; step_ms excludes it), recompiles (graphs compiled after warm-up) and
-        graph_breaks (dynamo's count; both null for a model not compiled)
+        graph_breaks (dynamo's count; both null for a model not compiled),
+      rank (the rank that wrote the report, or null), ranks[] ({rank, value_mib, peak_mib,
+        saved_mib, parameters_mib, gradients_mib, optimizer_state_mib, step_ms}: every rank's
+        figures, in rank order; [] without a process group)
 
 A field that a row cannot have (an OOM row has no peak) is null, never missing.
 """
@@ -122,11 +131,21 @@ class Report:
     def metric(self) -> str:
         return "peak_allocated" if self.device.startswith("cuda") else "saved_for_backward"
 
+    @property
+    def world_size(self) -> int:
+        """How many ranks measured each row (1 without a process group)."""
+        return max([len(r.profile.ranks) for r in self.rows if r.profile is not None] + [1])
+
+    def _metric(self, p: "Profile") -> int | None:
+        return p.peak if self.metric == "peak_allocated" else p.saved
+
     def value(self, row: Row) -> int | None:
-        """The row's headline number in bytes (``None`` if the row has none, e.g. out of memory)."""
+        """The row's headline number in bytes (``None`` if the row has none, e.g. out of memory);
+        measured on several ranks, the largest rank's."""
         if row.profile is None:
             return None
-        return row.profile.peak if self.metric == "peak_allocated" else row.profile.saved
+        values = [self._metric(p) for p in row.profile.ranks or [row.profile]]
+        return None if None in values else max(values)
 
     def _deltas(self) -> list[dict[str, Any]]:
         base = self.rows[0] if self.rows else None
@@ -166,6 +185,11 @@ class Report:
                 "matched": list(row.matched),
                 "skipped": [{"module": m, "reason": r} for m, r in row.skipped],
                 **_profile_dict(row.profile),
+                "rank": row.profile.rank if row.profile else None,
+                "ranks": [{"rank": p.rank, "value_mib": _mib(self._metric(p)), "peak_mib": _mib(p.peak),
+                           "saved_mib": _mib(p.saved), "parameters_mib": _mib(p.parameters),
+                           "gradients_mib": _mib(p.gradients), "optimizer_state_mib": _mib(p.optimizer_state),
+                           "step_ms": round(p.step_ms, 3)} for p in (row.profile.ranks if row.profile else [])],
             })
         return {
             "schema": SCHEMA,
@@ -176,6 +200,7 @@ class Report:
             "batch": self.batch,
             "isolation": self.isolation,
             "notes": list(self.notes),
+            "world_size": self.world_size,
             "metric": self.metric,
             "metric_label": _METRIC_LABELS[self.metric],
             "rows": rows,
@@ -196,15 +221,21 @@ class Report:
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
         cuda = self.metric == "peak_allocated"
-        headers = ["step", "peak MiB" if cuda else "saved MiB", "Δ prev", "Δ base", "x base"]
+        world = self.world_size
+        headers = ["step", ("peak MiB" if cuda else "saved MiB") + (f", max of {world} ranks" if world > 1 else "")]
+        headers += [f"rank {r}" for r in range(world)] if world > 1 else []
+        headers += ["Δ prev", "Δ base", "x base"]
         headers += ["1st step MiB", "static MiB", "peak-static MiB"] if cuda else ["params+grads+opt MiB"]
         headers += ["step ms", "time x base", "matched"]
         body = []
         for row, d in zip(self.rows, self._deltas()):
             p = row.profile
-            cells = [row.label, _num(d["value_mib"]) if p else row.status.upper(),
-                     _num(d["delta_prev_mib"], sign=True), _num(d["delta_base_mib"], sign=True),
-                     _num(d["ratio_base"], ratio=True)]
+            cells = [row.label, _num(d["value_mib"]) if p else row.status.upper()]
+            if world > 1:
+                ranks = {q.rank: q for q in p.ranks} if p else {}
+                cells += [_num(_mib(self._metric(ranks[r]))) if r in ranks else "-" for r in range(world)]
+            cells += [_num(d["delta_prev_mib"], sign=True), _num(d["delta_base_mib"], sign=True),
+                      _num(d["ratio_base"], ratio=True)]
             if cuda:
                 cells += [_num(_mib(p.first_peak)), _num(_mib(p.static)),
                           _num(_mib(p.peak - p.static))] if p else ["-"] * 3
@@ -219,6 +250,9 @@ class Report:
                  f"device {self.device} ({self.device_name}), torch {self.torch_version}"
                  + (f", rows measured {self.isolation}" if self.isolation else ""),
                  _METRIC_LABELS[self.metric]]
+        if self.world_size > 1:
+            lines.append(f"measured on each of {self.world_size} ranks of a torch.distributed process group "
+                         "(batch, shards and figures per rank); the headline is the largest rank's")
         return lines
 
     def _footer_lines(self) -> list[str]:

@@ -207,15 +207,16 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     blocks of one type (modules with children and parameters). Groups inside a block that is not
     itself a plain container (inside a residual block or a transformer layer) are left out: their
     parts are too small to be worth a measurement. ``nested``: the group lies inside another
-    group's block (an EfficientNet stage inside ``features``)."""
+    group's block (an EfficientNet stage inside ``features``). Types are read through shrinkwrap's
+    wrappers: a stack with some blocks checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
-        if not isinstance(c, (nn.Sequential, nn.ModuleList)):
+        if not isinstance(unwrap(c), (nn.Sequential, nn.ModuleList)):
             continue
         if any(name.startswith(b + ".") for b in real_blocks):
             continue
-        kids = [(f"{name}.{k}" if name else k, m) for k, m in c.named_children()]
+        kids = [(f"{name}.{k}" if name else k, unwrap(m)) for k, m in c.named_children()]
         types = [type(m) for _, m in kids]
         blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and has_params(m) and any(True for _ in m.children())]
         if len(blocks) < 2:

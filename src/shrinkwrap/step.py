@@ -143,7 +143,7 @@ class Step:
     # -- the template ----------------------------------------------------------------------------
     def check(self, model: nn.Module) -> None:
         """Raise, naming the module and the fix, if this step cannot be applied to ``model``."""
-        self.targets(self._after_last(require_module(model, f"{self.name}().check()")))
+        self.targets(self._applicable(require_module(model, f"{self.name}().check()")))
 
     def applies(self, model: nn.Module) -> bool:
         """Whether the step has something to do on ``model`` (its check passes)."""
@@ -156,15 +156,25 @@ class Step:
     def apply(self, model: nn.Module) -> nn.Module:
         """Check, rewrite and record; return ``model``. A step that finds nothing at all (nothing
         to act on, nothing passed over) and changes nothing leaves no record."""
-        targets = self.targets(self._after_last(require_module(model, f"{self.name}().apply()")))
+        targets = self.targets(self._applicable(require_module(model, f"{self.name}().apply()")))
         undo = self.rewrite(model, targets)
         if undo or targets.matched or targets.skipped or targets.notes:
             _rewrite.record(model, _rewrite.Record(
                 self, tuple(targets.matched), tuple(targets.skipped), undo, tuple(targets.notes)))
         return model
 
-    def _after_last(self, model: nn.Module) -> nn.Module:
-        """``model``, unless it already has another step that goes last (``last``): then raise."""
+    def _applicable(self, model: nn.Module) -> nn.Module:
+        """``model``, unless it already has another step that goes last (``last``), or FSDP2's
+        ``fully_shard`` already manages a module of it: then raise."""
+        # A wrapper around a sharded module hides it from FSDP2, whose root finds the modules it
+        # manages by walking the tree: each hidden one becomes a root of its own and keeps its
+        # parameters unsharded after forward. Right numbers, no error, and sharding's saving gone.
+        _rewrite.refuse_sharded(
+            model, f"apply {self} to",
+            "A wrapper put around a sharded module hides it from FSDP, which then keeps that module's "
+            "parameters unsharded after forward: the losses stay right and sharding's memory saving is "
+            "gone. Apply the plan first, then shard: shrinkwrap.apply(model, plan), then fully_shard "
+            "each block and the root.")
         for done in applied_steps(model):
             if done.last and done != self:
                 raise ValueError(

@@ -15,6 +15,11 @@ the model in place (restored afterwards):
 
 Without CUDA there is no allocator to read: the profile holds the bytes saved for backward,
 parameter/gradient/optimizer-state bytes and step time, and its CUDA fields are ``None``.
+
+Under a ``torch.distributed`` process group (``torchrun``; a model sharded with FSDP2 or
+replicated with DDP), every rank runs the same iterations and measures its own: the bytes a rank
+holds (its shards of parameters, gradients and optimizer state), its peak. The ranks' profiles
+are then gathered (:mod:`.ranks`), so each profile, rank 0's included, carries every rank's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import require_module
 from .modules import Event, ModuleLog
+from .ranks import gather, local, rank_and_world
 from .saved import SavedTensors
 
 MiB = 2**20
@@ -70,6 +76,11 @@ class Profile:
     come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
     (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
     again, and that program is not the one measured.
+
+    Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
+    ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
+    are what this rank holds (an FSDP2 shard, not the whole parameter). Without one, ``rank`` is
+    None and ``ranks`` empty.
     """
 
     device: str
@@ -96,6 +107,8 @@ class Profile:
     first_ms: float | None = None
     recompiles: int | None = None
     graph_breaks: int | None = None
+    rank: int | None = None
+    ranks: list["Profile"] = field(default_factory=list)
 
     @property
     def peak_phase(self) -> str | None:
@@ -139,6 +152,9 @@ class Profile:
         if self.compiled:
             lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
                          f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
+        for p in self.ranks:
+            memory = f"peak {mib(p.peak)}" if p.peak is not None else f"saved for backward {mib(p.saved or 0)}"
+            lines.append(f"  rank {p.rank}: {memory}, parameters+buffers {mib(p.parameters)}, step {p.step_ms:.1f} ms")
         return "\n".join(lines)
 
 
@@ -146,11 +162,12 @@ class Profile:
 
 
 def _bytes(ts: Iterable[torch.Tensor | None]) -> int:
-    """Total size of the unique storages behind ``tensors`` (tied weights counted once)."""
+    """Total size of the unique storages behind ``tensors`` (tied weights counted once); of a
+    DTensor, this rank's shard."""
     seen: dict[int, int] = {}
     for t in ts:
         if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
+            storage = local(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -206,9 +223,9 @@ def device_name(device: torch.device) -> str:
 
 
 def needs_grad_scaler(model: nn.Module) -> bool:
-    """Whether a step applied to ``model`` asks for a GradScaler (float16 autocast sets
-    ``needs_grad_scaler``)."""
-    return any(getattr(r.step, "needs_grad_scaler", False) for r in _rewrite.records(model))
+    """Whether a step applied to ``model`` (or to the model inside it: DDP's ``module``) asks for a
+    GradScaler (float16 autocast sets ``needs_grad_scaler``)."""
+    return any(getattr(r.step, "needs_grad_scaler", False) for m in model.modules() for r in _rewrite.records(m))
 
 
 @dataclass(frozen=True)
@@ -311,26 +328,43 @@ def _memory_history(path: str | None) -> Iterator[None]:
 def restored(model: nn.Module) -> Iterator[nn.Module]:
     """Give ``model`` back afterwards as it was: the same parameter and buffer objects with their
     values, gradients, devices and train/eval flags. Copies go to CPU memory, so measuring in
-    place adds nothing to the device's count (a deepcopy on the GPU would)."""
+    place adds nothing to the device's count (a deepcopy on the GPU would); of an FSDP2 shard,
+    only this rank's part is copied."""
     flags = [(m, m.training) for m in _all_modules(model)]
     slots = []
     for m in model.modules():
         for table in (m._parameters, m._buffers):
             for key, t in table.items():
                 if t is not None:
-                    grad = t.grad.detach().to("cpu", copy=True) if t.grad is not None else None
-                    grad_device = t.grad.device if t.grad is not None else None
-                    slots.append((table, key, t, t.device, t.detach().to("cpu", copy=True), grad, grad_device))
+                    slots.append((table, key, _copy(t), _copy(t.grad) if t.grad is not None else None))
     try:
         yield model
     finally:
         with torch.no_grad():
-            for table, key, t, dev, value, grad, grad_device in slots:
+            for table, key, (t, dev, value), grad in slots:
                 table[key] = t  # a forward may have swapped a buffer for a new tensor
-                t.data = value.to(dev)
-                t.grad = grad.to(grad_device) if grad is not None else None
+                _put_back(t, dev, value)
+                t.grad = grad[0] if grad is not None else None  # the same gradient object, its values back
+                if grad is not None:
+                    _put_back(*grad)
         for m, mode in flags:
             m.training = mode
+
+
+def _copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Tensor]:
+    """``t``, its device, and a CPU copy of what this rank holds of it (a DTensor's local shard)."""
+    return t, t.device, local(t).detach().to("cpu", copy=True)
+
+
+def _put_back(t: torch.Tensor, device: torch.device, value: torch.Tensor) -> None:
+    """``t``'s values from ``value``: in place where it is still where it was, so that storage it
+    shares stays shared (FSDP2's sharded parameters are views of its own buffers, which its
+    all-gathers read); moved back otherwise."""
+    held = local(t)
+    if held.device == device and held.dtype == value.dtype and held.shape == value.shape:
+        held.copy_(value)
+    else:
+        held.data = value.to(device)
 
 
 def _all_modules(model: nn.Module) -> Iterator[nn.Module]:
@@ -372,6 +406,10 @@ def measure(
         snapshot: on CUDA, write a ``torch.cuda.memory`` snapshot of one iteration to this path
             (open it at https://pytorch.org/memory_viz).
 
+    Under ``torchrun`` (a process group initialised; the model sharded with FSDP2 or wrapped in
+    DDP), every rank calls it: each measures its own iteration, and each profile carries every
+    rank's in ``Profile.ranks``.
+
     Example::
 
         >>> prof = shrinkwrap.measure(model, torch.randn(32, 3, 224, 224))
@@ -383,9 +421,24 @@ def measure(
 
 
 def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None) -> Profile:
-    """:func:`measure` with the options in one object."""
+    """:func:`measure` with the options in one object. Under a process group every rank must call
+    it (the iterations run collectives); each gets every rank's profile in ``ranks``, and a
+    snapshot path gets the rank in its name (``memory.rank1.pickle``)."""
+    where = rank_and_world()
+    if snapshot and where:
+        snapshot = numbered(snapshot, f"rank{where[0]}")
     with restored(model):
-        return _measure(model, batch, options, snapshot)
+        profile = _measure(model, batch, options, snapshot)
+    if where:
+        profile.rank = where[0]
+        profile.ranks = gather(profile) or []
+    return profile
+
+
+def numbered(path: str, tag: object) -> str:
+    """``path`` with ``tag`` before its suffix: ``memory.pickle`` -> ``memory.<tag>.pickle``."""
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}.{tag}.{suffix}" if dot and "/" not in suffix else f"{path}.{tag}"
 
 
 def _setup(model: nn.Module, batch: Any, options: Options, device: torch.device) -> tuple[_Iteration, Any]:
