@@ -228,6 +228,24 @@ def test_deepcopy_and_pickle(one_thread):
     pickle.loads(pickle.dumps(model))
 
 
+def test_an_offloaded_tensor_is_not_kept_on_its_device_after_the_region():
+    import weakref
+
+    class Region(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            self.seen = weakref.ref(y)
+            return torch.sin(y)  # sin saves y for backward
+
+    model = nn.Sequential(Region())
+    sw.apply(model, [sw.offload("0", min_bytes=0, devices=("cpu",), keep_last=False)])
+    x = torch.randn(64, 64, requires_grad=True)
+    out = model(x)
+    assert model[0].wrapped.seen() is None  # only the host copy is left (the GPU test measures the bytes)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()), rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 def test_cuda_peak_memory_drops_and_gradients_bit_equal():
     blocks = 12

@@ -211,7 +211,7 @@ class OffloadModule(TransparentWrapper):
             return inner(*args, **kwargs)
         own = {t.untyped_storage().data_ptr() for t in (*inner.parameters(), *inner.buffers())}
         held: list[_Held] = []
-        pending: list[torch.Tensor] = []  # GPU tensors whose copy to the host may still run
+        pending: list[torch.Tensor] = []  # device tensors whose copy to the host may still run
         reached = [False]
 
         def pack(t: torch.Tensor) -> Any:
@@ -228,9 +228,9 @@ class OffloadModule(TransparentWrapper):
                 with torch.cuda.stream(side):
                     stored = torch.empty_like(t, device="cpu", pin_memory=True)
                     stored.copy_(t, non_blocking=True)
-                pending.append(t)
             else:
                 stored = torch.empty_like(t, device="cpu").copy_(t)
+            pending.append(t)
             h = _Held(stored, t.device, self)
             held.append(h)
             self.traffic.offloaded += t.nbytes
@@ -247,9 +247,11 @@ class OffloadModule(TransparentWrapper):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = inner(*args, **kwargs)
-        if pending:  # the compute stream may reuse their memory only after the copies
-            device = pending[0].device
-            torch.cuda.current_stream(device).wait_stream(_stream(device))
+        if pending and pending[0].device.type == "cuda":  # their memory may be reused only after the copies
+            torch.cuda.current_stream(pending[0].device).wait_stream(_stream(pending[0].device))
+        # Autograd keeps the hooks (and so `pack`'s closure) with every tensor they packed, until
+        # backward: the list would keep the device tensors alive as long.
+        pending.clear()
         self._sw_schedule.ran(self, held)
         return out
 
