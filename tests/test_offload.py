@@ -246,6 +246,27 @@ def test_an_offloaded_tensor_is_not_kept_on_its_device_after_the_region():
     torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()), rtol=0, atol=0)
 
 
+def test_a_checkpointed_regions_input_leaves_the_device_when_offloaded():
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    sw.apply(model, [sw.checkpoint(r"\d"), sw.offload(r"\d", min_bytes=0, devices=("cpu",), keep_last=False)])
+    x = torch.randn(16, 32, requires_grad=True)
+    inputs = []
+    hook = model[1].wrapped.wrapped.register_forward_pre_hook(lambda m, a: inputs.append(weakref.ref(a[0])))
+    out = model(x)
+    hook.remove()
+    # The checkpoint keeps block 1's input only as what it saved for backward, which the offload
+    # region moved: the device tensor itself is gone (the recompute gets the copy back).
+    assert inputs[0]() is None
+    out.square().sum().backward()
+    ref(x.detach().requires_grad_()).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.cuda
 def test_cuda_peak_memory_drops_and_gradients_bit_equal():
     blocks = 12

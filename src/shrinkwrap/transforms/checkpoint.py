@@ -113,16 +113,23 @@ def _call(module: nn.Module, kwargs: dict, *args: Any) -> Any:
 class _Run:
     """What torch's checkpoint runs: the region on the caller's inputs in the forward, and in the
     recompute on a copy of the containers among them as they were before the forward, so that a
-    region writing into a dict it was given recomputes from what it was given."""
+    region writing into a dict it was given recomputes from what it was given.
+
+    The positional tensors are not kept here: the recompute gets them from torch's checkpoint,
+    which saved them for backward through the saved-tensor hooks around it. Kept here they would
+    stay on the device whatever those hooks do (an offload region around the checkpoint)."""
 
     def __init__(self, module: Callable[..., Any], clone: bool, args: tuple, kwargs: dict) -> None:
         self.module, self.clone = module, clone
-        self.before = tree_map(_same, (args, kwargs))  # the containers copied, the tensors not
+        # the containers copied, the tensors in them not; a positional tensor left out
+        self.before = ([None if isinstance(a, torch.Tensor) else tree_map(_same, a) for a in args],
+                       tree_map(_same, kwargs))
         self.calls = 0
 
     def __call__(self, kwargs: dict, *args: Any) -> Any:
         if self.calls:
-            args, kwargs = tree_map(_same, self.before)
+            before, kwargs = tree_map(_same, self.before)
+            args = tuple(a if isinstance(a, torch.Tensor) else b for a, b in zip(args, before))
         self.calls += 1
         if self.clone:
             args, kwargs = tree_map(torch.clone, (args, kwargs))
