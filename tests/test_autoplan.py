@@ -273,6 +273,15 @@ def test_a_long_stack_of_blocks_also_offers_every_second_and_third_block():
     assert not any(len(c) > 1 for c in short)
 
 
+@pytest.mark.parametrize("blocks, alone", [(6, True), (12, True), (14, False)])
+def test_each_block_of_a_stack_of_up_to_twelve_is_a_candidate_alone(blocks, alone):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                                           for _ in range(blocks)]))
+    covers = {c.covers for c in candidates(model, device="cpu")}
+    assert all(((f"1.{i}",) in covers) == alone for i in range(blocks))
+    assert ("1",) in covers  # the stage is there either way
+
+
 def test_the_notes_say_where_autoplans_own_time_went():
     plan, report = sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
     (line,) = [n for n in report.notes if n.startswith("autoplan's own time:")]

@@ -439,7 +439,9 @@ class Checkpoint(Step):
         consecutive blocks; an inner stage (an EfficientNet stage inside ``features``) gives the
         whole stage, or its blocks in two groups where it has no forward. A stack of six or more
         blocks also gives every second and every third block: half or a third of the recompute
-        for about that share of the saving, points between the groups. The modules a parent calls
+        for about that share of the saving, points between the groups; a stack of at most twelve
+        (a transformer's layers) also gives each block alone, so the search can take as many
+        blocks as the time allows (longer stacks would cost a measurement per block). The modules a parent calls
         before its first stack (a ResNet's stem) give one chain region (see :func:`_stems`)."""
         out: list[Candidate] = []
         groups = block_groups(model)
@@ -449,6 +451,7 @@ class Checkpoint(Step):
             if not (nested and stage):
                 regions += _chunks(blocks, 2 if nested else context.max_groups)
                 regions += [blocks[k - 1::k] for k in (2, 3) if not nested and len(blocks) >= 6]
+                regions += [[b] for b in blocks] if not nested and len(blocks) <= _SINGLES else []
             for names in regions:
                 step = cls(tuple(names))
                 if all(tuple(names) != c.covers for c in out) and step.applies(model):
@@ -458,6 +461,9 @@ class Checkpoint(Step):
             if step.applies(model):
                 out.append(Candidate((step,), tuple(names)))
         return out
+
+
+_SINGLES = 12  # the longest stack whose blocks are candidates one by one
 
 
 def _stems(model: nn.Module, groups: list[tuple[str, list[str], bool]]) -> list[list[str]]:
