@@ -243,11 +243,13 @@ class _MatmulDtypes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: dict[int, set] = {}  # output width: dtypes
+        self.count: dict[int, int] = {}  # output width: matmuls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
             self.dtypes.setdefault(out.shape[-1], set()).add(out.dtype)
+            self.count[out.shape[-1]] = self.count.get(out.shape[-1], 0) + 1
         return out
 
 
@@ -305,3 +307,35 @@ def test_cuda_bf16_chunked_loss_and_gradients_match_the_float32_head():
     for name in ("lm_head.weight", "model.norm.weight"):
         err, base_err = (grads[name] - ref[name]).norm(), (base[name] - ref[name]).norm()
         assert err <= 2 * base_err + 1e-6 * ref[name].norm(), (name, err, base_err)
+
+
+def test_float16_gradients_do_not_underflow_before_the_loss_scale():
+    """The scale 1 / tokens comes after the float16 matmuls: scaled first, a float16 softmax-minus-
+    one-hot over thousands of tokens underflows before the GradScaler's factor arrives."""
+    from shrinkwrap.transforms.lm_head import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8192, 16, generator=g).requires_grad_()
+    weight = (torch.randn(1024, 16, generator=g) * 0.1).requires_grad_()
+    labels = torch.randint(0, 1024, (8192,), generator=g)
+    ref = F.cross_entropy(F.linear(hidden.double(), weight.double()), labels)
+    ref_h, ref_w = torch.autograd.grad(ref * 65536, [hidden, weight])
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = chunked_cross_entropy(hidden, weight, None, labels, chunk_size=512)
+    got_h, got_w = torch.autograd.grad(loss * 65536, [hidden, weight])  # a GradScaler's factor
+    assert got_w.dtype == weight.dtype
+    for got, want in ((got_h, ref_h), (got_w, ref_w)):
+        assert ((got.double() - want).norm() / want.norm()) < 1.5e-3  # 3e-4 here; 5e-3 scaled first
+
+
+def test_no_gradient_work_without_grad_mode():
+    model, batch = _llama(96), _batch(96)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=7)]))
+    with _MatmulDtypes() as with_grad:
+        model(**batch)
+    with torch.no_grad(), _MatmulDtypes() as without:
+        model(**batch)
+    # The head's matmuls (output width 96 for the logits, 32 for the hidden states' gradient; the
+    # weight's gradient is 32 wide too): with grad mode all three, without it the logits only.
+    assert with_grad.count[96] == without.count[96] > 0
+    assert without.count.get(32, 0) < with_grad.count[32]

@@ -60,34 +60,44 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
+_OUT_DTYPE = [True]  # whether addmm takes out_dtype on CUDA here (older torch: not, or not in place)
+
+
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc + a @ b`` in ``acc``'s dtype, in place where it can be: a bfloat16 product goes into a
-    float32 sum without a bfloat16 copy of it (``addmm``'s ``out_dtype``, CUDA only)."""
+    float32 sum without a bfloat16 copy of it (``addmm``'s ``out_dtype``, CUDA, recent torch)."""
     if torch.compiler.is_compiling():
         return acc + (a @ b).to(acc.dtype)  # the compiler fuses the sum
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
-    if acc.is_cuda:
-        with torch.autocast("cuda", enabled=False):  # autocast would round the sum to bfloat16
-            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    if acc.is_cuda and _OUT_DTYPE[0]:
+        try:
+            with torch.autocast("cuda", enabled=False):  # autocast would round the sum to bfloat16
+                return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except (TypeError, RuntimeError):  # no out_dtype, or not into a wider sum (torch < 2.10)
+            _OUT_DTYPE[0] = False
     return acc.add_(a @ b)
 
 
 class _HeadLoss(torch.autograd.Function):
     """Summed cross-entropy of ``linear(hidden, weight, bias)`` against ``labels``, scaled by
-    ``scale``, one chunk of rows at a time. The forward computes each chunk's gradients with its
-    loss (softmax minus one-hot, through the soft-cap) and keeps only the gradients of ``hidden``
-    (rows x hidden) and of ``weight`` and ``bias`` (the weight's gradient, which backward makes in
-    any case): the head costs the three matmuls of the plain model, with no recompute, and no
-    tensor of ``rows x vocabulary`` outlives its chunk. Backward multiplies by the incoming
-    gradient. Matmuls run in the compute dtype (autocast's), the softmax and the sums in at least
-    float32, gradients are accumulated in the parameters' (wider) dtype."""
+    ``scale``, one chunk of rows at a time. Where ``grads`` (grad mode was on) the forward
+    computes each chunk's gradients with its loss (softmax minus one-hot, through the soft-cap)
+    and keeps only the gradients of ``hidden`` (rows x hidden) and of ``weight`` and ``bias``
+    (the weight's gradient, which backward makes in any case): the head costs the three matmuls
+    of the plain model, with no recompute, and no tensor of ``rows x vocabulary`` outlives its
+    chunk. Backward multiplies by the incoming gradient, in float32.
+
+    Matmuls run in the compute dtype (autocast's), the softmax and the sums in at least float32.
+    The gradient matmuls take softmax minus one-hot unscaled (entries within [-1, 1]), and the
+    scale (1 / counted tokens) comes after them in float32: scaled first, a float16 gradient would
+    underflow before the GradScaler's factor arrives in backward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, scale: torch.Tensor, chunk_size: int, softcap: float | None,
-                ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+                ignore_index: int, dtype: torch.dtype, grads: bool) -> torch.Tensor:
+        want_h, want_w, want_b = (grads and need for need in ctx.needs_input_grad[:3])
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         acc = torch.promote_types(dtype, torch.float32)
@@ -110,26 +120,28 @@ class _HeadLoss(torch.autograd.Function):
                 continue
             g = torch.softmax(z, dim=-1)  # d(sum of losses)/dz: softmax - one-hot, on counted rows
             g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
-            g.mul_((counted * scale).unsqueeze(1))
+            g.mul_(counted.unsqueeze(1))
             if softcap is not None:
                 g.mul_(1 - t * t)
             gd = g.to(dtype)
             if want_h:
-                grad_h[start:start + chunk_size] = gd @ w
+                grad_h[start:start + chunk_size] = (gd @ w).to(acc) * scale
             if want_w:
                 grad_w = _add_product(grad_w, gd.t(), h)
             if want_b:
                 grad_b += g.sum(0)
+        # The sums scaled in float32, then kept in the parameters' own dtype (a bfloat16 head keeps
+        # a bfloat16 gradient, as autograd would give it).
+        grad_w = grad_w.mul_(scale).to(weight.dtype) if want_w else None
+        grad_b = grad_b.mul_(scale).to(bias.dtype) if want_b else None
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         return total * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        scaled = [g * grad_out.to(g.dtype) if g is not None else None for g in (grad_h, grad_w, grad_b)]
-        if grad_w is not None:
-            scaled[1] = scaled[1].to(grad_w.dtype)
-        return (*scaled, None, None, None, None, None, None)
+        wide = grad_out.to(torch.promote_types(grad_out.dtype, torch.float32))
+        scaled = [(g * wide).to(g.dtype) if g is not None else None for g in ctx.saved_tensors]
+        return (*scaled, None, None, None, None, None, None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -151,7 +163,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
         scale = 1 / (shift_labels != ignore_index).sum().to(acc)
     else:
         scale = 1 / torch.as_tensor(num_items_in_batch, device=hidden.device).to(acc)
-    return _HeadLoss.apply(hidden, weight, bias, shift_labels, scale, chunk_size, softcap, ignore_index, dtype)
+    return _HeadLoss.apply(hidden, weight, bias, shift_labels, scale, chunk_size, softcap, ignore_index, dtype,
+                           torch.is_grad_enabled())
 
 
 class _ChunkedLossForward(_rewrite.RootForward):
