@@ -306,3 +306,23 @@ def test_time_interleaved_takes_turns_and_restores_the_models():
     assert rounds == list("aabbcc" + "bbccaa" + "ccaabb")        # turns, with a new first each round
     assert all(len(t.rounds_ms) == 3 and t.median > 0 and t.spread >= 0 for t in timings.values())
     assert all(torch.equal(models[n].weight, before[n]) for n in models)
+
+
+def test_restored_gives_gradients_back_without_holding_them_meanwhile():
+    import weakref
+
+    from shrinkwrap.measure.step import restored
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    model(torch.randn(2, 4)).sum().backward()
+    weight, grads = model.weight.detach().clone(), [p.grad.clone() for p in model.parameters()]
+    seen = weakref.ref(model.weight.grad)
+    with restored(model):
+        model.zero_grad(set_to_none=True)
+        assert seen() is None  # the measured model's memory does not include the old gradients
+        model.double()  # a measurement may change dtypes and devices; they come back
+        model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    assert model.weight.dtype == torch.float32 and torch.equal(model.weight, weight)
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, g)

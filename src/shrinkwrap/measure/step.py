@@ -336,7 +336,10 @@ def restored(model: nn.Module) -> Iterator[nn.Module]:
         for table in (m._parameters, m._buffers):
             for key, t in table.items():
                 if t is not None:
-                    slots.append((table, key, _copy(t), _copy(t.grad) if t.grad is not None else None))
+                    # Of a gradient only the values: holding the tensor would keep it on the device,
+                    # and in the measured peak, through the whole measurement.
+                    grad = _copy(t.grad)[1:] if t.grad is not None else None
+                    slots.append((table, key, _copy(t), grad))
     try:
         yield model
     finally:
@@ -344,9 +347,12 @@ def restored(model: nn.Module) -> Iterator[nn.Module]:
             for table, key, (t, dev, value), grad in slots:
                 table[key] = t  # a forward may have swapped a buffer for a new tensor
                 _put_back(t, dev, value)
-                t.grad = grad[0] if grad is not None else None  # the same gradient object, its values back
-                if grad is not None:
-                    _put_back(*grad)
+                if grad is None:
+                    t.grad = None
+                elif t.grad is not None and _fits(local(t.grad), *grad):
+                    local(t.grad).copy_(grad[1])  # into the gradient the last iteration made
+                else:
+                    t.grad = grad[1].to(grad[0])
         for m, mode in flags:
             m.training = mode
 
@@ -356,12 +362,16 @@ def _copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Tensor]:
     return t, t.device, local(t).detach().to("cpu", copy=True)
 
 
+def _fits(held: torch.Tensor, device: torch.device, value: torch.Tensor) -> bool:
+    return held.device == device and held.dtype == value.dtype and held.shape == value.shape
+
+
 def _put_back(t: torch.Tensor, device: torch.device, value: torch.Tensor) -> None:
     """``t``'s values from ``value``: in place where it is still where it was, so that storage it
     shares stays shared (FSDP2's sharded parameters are views of its own buffers, which its
     all-gathers read); moved back otherwise."""
     held = local(t)
-    if held.device == device and held.dtype == value.dtype and held.shape == value.shape:
+    if _fits(held, device, value):
         held.copy_(value)
     else:
         held.data = value.to(device)
