@@ -223,6 +223,11 @@ def test_a_candidate_that_only_runs_faster_pays_for_a_checkpoint():
     table = _effects_table(("big", ("a",), 8.0, 12.0), ("small", ("b",), 2.0, 5.0), ("fast", (), -0.5, -4.0))
     chosen = _search(table, 20.0, 100.0, target=None, max_t=108.0)
     assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('big')", "checkpoint('fast')"]
+    # Without a time limit, and with a budget no set reaches: the smallest set, and of equals the faster.
+    table = _effects_table(("ckpt", ("a",), 100.0, 5.0), ("fast", (), 0.0, -15.0))
+    for target in (None, 1.0):
+        chosen = _search(table, 200.0, 100.0, target=target, max_t=None)
+        assert sorted(str(e.candidate) for e in chosen) == ["checkpoint('ckpt')", "checkpoint('fast')"]
     # A slower candidate that saves nothing is never taken.
     table = _effects_table(("big", ("a",), 8.0, 12.0), ("slow", ("c",), 0.0, 1.0))
     assert [str(e.candidate) for e in _search(table, 20.0, 100.0, target=None, max_t=120.0)] == ["checkpoint('big')"]

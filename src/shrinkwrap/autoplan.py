@@ -141,9 +141,8 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
             return
         if best[0][0] == 0 and (lowest_mem > target or lowest_t >= best[0][1]):
             return  # a set within the budget is known: only a faster one within it can beat it
-        if best[0][0] == 1 and target is not None and lowest_mem > target and lowest_mem >= best[0][1]:
-            return
-        if best[0][0] == 1 and target is None and lowest_mem >= best[0][1]:
+        # (a set as small as the best but faster still wins: a candidate that only saves time)
+        if best[0][0] == 1 and (target is None or lowest_mem > target) and (lowest_mem, lowest_t) >= best[0][1:]:
             return
         e = usable[i]
         if not any(e.candidate.overlaps(c.candidate) for c in chosen):
