@@ -186,3 +186,13 @@ def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):
 def test_fit_needs_a_readable_budget(capsys):
     one_error_line(capsys, ["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--budget", "lots", *FAST],
                    "cannot read budget 'lots'")
+
+
+def test_torchrun_variables_inherited_without_fsdp_or_ddp_profile_this_process(capsys, monkeypatch):
+    # A process that inherited a torchrun job's environment is not a rank this command started:
+    # joining a group of two would wait for a second rank that never comes.
+    for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    assert main(["profile", f"{__name__}:small_model", "--batch", "2", "--input", "3,8,8", *FAST]) == 0
+    assert not torch.distributed.is_initialized()

@@ -262,8 +262,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     plan = Plan.parse(args.plan)  # no --plan: the model as it is, its baseline and per-module table
     factory, batch = load_model(args.model, args.input, args.batch)
-    if parallel.launched():
-        return _rank(args, factory, batch, plan)
+    if parallel.launched() and (args.fsdp or args.ddp):  # a rank this command started (torchrun's
+        return _rank(args, factory, batch, plan)           # variables alone may be inherited)
     if args.fsdp or args.ddp or args.nproc:
         return _launch(args)
     return _run(args, factory, batch, plan, args.model)

@@ -247,8 +247,8 @@ class OffloadModule(TransparentWrapper):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = inner(*args, **kwargs)
-        if pending and pending[0].device.type == "cuda":  # their memory may be reused only after the copies
-            torch.cuda.current_stream(pending[0].device).wait_stream(_stream(pending[0].device))
+        for device in {t.device for t in pending if t.device.type == "cuda"}:  # reused only after the copies
+            torch.cuda.current_stream(device).wait_stream(_stream(device))
         # Autograd keeps the hooks (and so `pack`'s closure) with every tensor they packed, until
         # backward: the list would keep the device tensors alive as long.
         pending.clear()
