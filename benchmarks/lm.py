@@ -91,6 +91,8 @@ def build(name: str, weights: nn.Module | None) -> nn.Module:
     with torch.device("meta" if weights is not None else "cuda"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
+    if name == "gpt2":
+        model.loss_type = "ForCausalLM"  # else a warning at every forward breaks compiled graphs (run.py)
     if weights is not None:
         model.load_state_dict(weights.state_dict(keep_vars=True), assign=True)
         if config.tie_word_embeddings:

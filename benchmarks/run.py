@@ -153,6 +153,10 @@ def build(model_name: str) -> nn.Module:
     model = factory().cuda()
     if model_name in SEQ:
         model.config.use_cache = False  # a KV cache has no use in training and would be recomputed
+        if model_name == "gpt2":
+            # GPT2LMHeadModel's name does not tell transformers its loss, which then logs a warning
+            # at every forward: a graph break under torch.compile in every compiled row.
+            model.loss_type = "ForCausalLM"
     return model
 
 
