@@ -14,7 +14,6 @@ against ``compile + bf16`` (the user's hand recipe: ``torch.compile`` of the mod
 
 from __future__ import annotations
 
-import datetime
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, SEQ, HandAutocast, _load, build, same_run_main  # noqa: E402
+from run import MODELS, SEQ, HandAutocast, _load, build, same_run_main, with_timings  # noqa: E402
 
 STEM = r"checkpoint(r'conv1|bn1|relu|maxpool', chain=True)"  # torchvision ResNets' stem, one region
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
@@ -92,14 +91,7 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
                      "recompiles": prof.recompiles, "first_ms": round(prof.first_ms, 1)})
         print(f"measured {name}", file=sys.stderr, flush=True)
     times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=5)
-    for row in rows:
-        t = times.get(row["config"])
-        if t is not None:
-            row.update(step_ms=round(t.median, 2), step_ms_low=round(min(t.rounds_ms), 2),
-                       step_ms_high=round(max(t.rounds_ms), 2))
-        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
-                   batch=MODELS[model_name][1], seq=SEQ.get(model_name))
-    return rows
+    return with_timings(rows, times, 2, batch=MODELS[model_name][1], seq=SEQ.get(model_name))
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -26,7 +26,6 @@ Anchors: ``hf_ckpt_bf16`` is Hugging Face's own ``gradient_checkpointing_enable(
 
 from __future__ import annotations
 
-import datetime
 import functools
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import HandAutocast, same_run_main  # noqa: E402
+from run import HandAutocast, same_run_main, with_timings  # noqa: E402
 
 MODELS: dict[str, tuple[Callable[[], Any], int, int, str]] = {
     # name: (config factory, batch, sequence, the blocks' regex)
@@ -157,13 +156,7 @@ def run(name: str, rounds: int, only: list[str] | None = None) -> list[dict[str,
         print(f"measured {config}: {rows[-1]['activation_mib']} MiB", file=sys.stderr, flush=True)
     options = sw.Options(device="cuda", warmup=1, optimizer=functools.partial(torch.optim.SGD, lr=1e-6))
     times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=2)
-    for row in rows:
-        t = times.get(row["config"])
-        if t is not None:
-            row.update(step_ms=round(t.median, 1), step_ms_low=round(min(t.rounds_ms), 1),
-                       step_ms_high=round(max(t.rounds_ms), 1))
-        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat())
-    return rows
+    return with_timings(rows, times)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

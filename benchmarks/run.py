@@ -306,6 +306,19 @@ def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
     plt.close(fig)
 
 
+def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int = 1, **extra: Any) -> list[dict[str, Any]]:
+    """The same-run scripts' rows with their interleaved step times (median, fastest and slowest
+    round: ``shrinkwrap.Timing``), the GPU, the torch version, the date and ``extra``."""
+    for row in rows:
+        t = times.get(row["config"])
+        if t is not None:
+            row.update(step_ms=round(t.median, digits), step_ms_low=round(min(t.rounds_ms), digits),
+                       step_ms_high=round(max(t.rounds_ms), digits))
+        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
+                   **extra)
+    return rows
+
+
 def same_run_main(doc: str, models: list[str], run: Callable[..., list[dict[str, Any]]],
                   table: Callable[[list[dict[str, Any]]], str], rounds: int) -> None:
     """The command line of the same-run scripts (compiled.py, lm.py): one model, every row in one
