@@ -118,6 +118,33 @@ def test_the_head_loss_itself_with_bias_scaled_output_and_frozen_inputs(frozen):
         torch.testing.assert_close(a, b, **EXACT)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk", [5, 8, 64])  # 24 rows: odd groups of two chunks, whole groups, one chunk
+def test_bf16_chunks_match_a_float64_head_of_the_same_bf16_inputs(chunk, with_bias):
+    """Under bfloat16 autocast the chunk gradients are masked and narrowed in one pass and summed into
+    the weight's float32 gradient two chunks at a time (without a bias): every row reaches the sum
+    once, ignored rows not at all."""
+    from shrinkwrap.transforms.lm_head import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    hidden, weight, bias = (torch.randn(*s, generator=g) for s in ((24, 16), (40, 16), (40,)))
+    bias = bias if with_bias else None
+    labels = torch.randint(0, 40, (24,), generator=g)
+    labels[[0, 7, 23]] = -100
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_cross_entropy(hidden, weight, bias, labels, chunk_size=chunk)
+    grads = torch.autograd.grad(out, leaves)
+    # The reference: the same bf16-rounded operands, the rest in float64.
+    wide = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in leaves]
+    ref = F.cross_entropy(F.linear(wide[0], wide[1], wide[2] if with_bias else None), labels)
+    ref_grads = torch.autograd.grad(ref, wide)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-3)
+    for a, b, leaf in zip(grads, ref_grads, leaves):
+        assert a.dtype == leaf.dtype
+        torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-3)
+
+
 def test_tied_weight_gets_both_gradients():
     model = _gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight

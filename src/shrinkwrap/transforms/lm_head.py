@@ -101,35 +101,57 @@ class _HeadLoss(torch.autograd.Function):
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         acc = torch.promote_types(dtype, torch.float32)
+        rows = hidden.shape[0]
         total = hidden.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, acc)) if want_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.promote_types(bias.dtype, acc)) if want_b else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start:start + chunk_size].to(dtype)
-            y = labels[start:start + chunk_size]
-            z = F.linear(h, w, b).to(acc)
-            if softcap is not None:
-                t = torch.tanh(z / softcap)
-                z = t * softcap
-            counted = y != ignore_index
-            target = torch.where(counted, y, 0).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=-1)
-            total = total + ((lse - z.gather(1, target).squeeze(1)) * counted).sum()
-            if not (want_h or want_w or want_b):
-                continue
-            g = torch.softmax(z, dim=-1)  # d(sum of losses)/dz: softmax - one-hot, on counted rows
-            g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
-            g.mul_(counted.unsqueeze(1))
-            if softcap is not None:
-                g.mul_(1 - t * t)
-            gd = g.to(dtype)
-            if want_h:
-                grad_h[start:start + chunk_size] = (gd @ w).to(acc) * scale
-            if want_w:
-                grad_w = _add_product(grad_w, gd.t(), h)
-            if want_b:
-                grad_b += g.sum(0)
+        # Eager, the narrow chunk gradients of two chunks go into one buffer and into the weight's
+        # float32 gradient with one matmul: each such sum reads and writes the whole of it (1 GiB at
+        # a 128k vocabulary), and the buffer is no larger than one chunk's float32 log-softmax.
+        compiling = torch.compiler.is_compiling()
+        group = 2 * chunk_size if want_w and not want_b and dtype != acc and not compiling else chunk_size
+        buffer = hidden.new_empty((min(group, rows), weight.shape[0]), dtype=dtype) if group > chunk_size else None
+        # The matmuls run in `dtype` explicitly; autocast would add float32 copies of the chunk.
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, rows, chunk_size):
+                h = hidden[start:start + chunk_size].to(dtype)
+                y = labels[start:start + chunk_size]
+                z = F.linear(h, w, b)
+                if softcap is not None:
+                    t = torch.tanh(z.to(acc) / softcap)
+                    z = t * softcap
+                counted = y != ignore_index
+                target = torch.where(counted, y, 0).unsqueeze(1)
+                g = torch.log_softmax(z, dim=-1, dtype=acc)  # one pass from the narrow logits
+                del z
+                total = total - (g.gather(1, target).squeeze(1) * counted).sum()
+                if not (want_h or want_w or want_b):
+                    continue
+                g = g.exp_()  # d(sum of losses)/dz: softmax - one-hot, on counted rows
+                g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
+                if softcap is not None:
+                    g.mul_(1 - t * t)
+                mask = counted.unsqueeze(1)
+                at = start % group
+                if want_b or dtype == acc or compiling:
+                    gd = g.mul_(mask).to(dtype)
+                    if want_b:
+                        grad_b += g.sum(0)
+                else:  # masked and narrowed in one pass
+                    gd = torch.mul(g, mask, out=(buffer[at:at + len(g)] if buffer is not None else
+                                                 torch.empty(g.shape, dtype=dtype, device=g.device)))
+                del g
+                if want_h:
+                    grad_h[start:start + chunk_size] = (gd @ w).to(acc) * scale
+                if not want_w:
+                    continue
+                if buffer is None:
+                    grad_w = _add_product(grad_w, gd.t(), h)
+                elif at + len(gd) == group or start + len(gd) == rows:
+                    first = start - at
+                    grad_w = _add_product(grad_w, buffer[:at + len(gd)].t(),
+                                          hidden[first:start + len(gd)].to(dtype))
         # The sums scaled in float32, then kept in the parameters' own dtype (a bfloat16 head keeps
         # a bfloat16 gradient, as autograd would give it).
         grad_w = grad_w.mul_(scale).to(weight.dtype) if want_w else None
