@@ -420,3 +420,31 @@ def test_an_output_carrying_its_loss_keeps_its_logits_in_the_half_dtype():
     assert with_loss.logits.dtype == BF16 and with_loss.loss.dtype == torch.float32  # no float32 copy of the logits
     with_loss.loss.backward()
     assert model(input_ids=ids).logits.dtype == torch.float32  # no loss: outputs as float32, as before
+
+
+def test_model_outputs_pass_without_copy_copy_which_dynamo_does_not_trace(monkeypatch):
+    """On torch 2.11 / Python 3.12 dynamo breaks the graph at ``copy.copy``: every compiled BERT
+    with autocast broke 5 times at the output cast. An output whose loss is float32 already comes
+    back as it is; a ModelOutput with something to cast is built by its own constructor."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from shrinkwrap._tree import tree_map
+
+    def no_copy(obj):
+        raise AssertionError(f"copy.copy({type(obj).__name__})")
+
+    monkeypatch.setattr(copy, "copy", no_copy)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg)
+    sw.apply(model, [sw.autocast(BF16)])
+    ids = torch.randint(0, 100, (2, 16))
+    with_loss = model(input_ids=ids, labels=ids)
+    assert with_loss.loss.dtype == torch.float32 and with_loss.logits.dtype == BF16
+    without = model(input_ids=ids)  # the logits are cast: a new MaskedLMOutput, of the same type
+    assert type(without) is type(with_loss) and without.logits.dtype == torch.float32
+    doubled = tree_map(lambda t: t * 2, with_loss)
+    assert type(doubled) is type(with_loss) and doubled is not with_loss
+    assert list(doubled.keys()) == ["loss", "logits"] and torch.equal(doubled.loss, with_loss.loss * 2)

@@ -30,7 +30,12 @@ def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         items = {key: tree_map(fn, value) for key, value in obj.items()}
         if type(obj) is dict:  # the common case, and one torch.compile traces without a break
             return items
-        new = copy.copy(obj)  # keeps the dict's own type and attributes (ModelOutput, OrderedDict)
+        # Dynamo does not trace copy.copy (a graph break on torch 2.11 / Python 3.12): a Hugging
+        # Face ModelOutput (a dataclass and a dict) is built anew by its own constructor, as the
+        # model's forward built it, which dynamo traces.
+        if dataclasses.is_dataclass(obj):
+            return type(obj)(**items)
+        new = copy.copy(obj)  # keeps the dict's own type and attributes (OrderedDict, defaultdict)
         for key, value in items.items():
             new[key] = value
         return new

@@ -84,7 +84,9 @@ def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
         return out
     loss = _loss(out)
     if loss is not None:
-        return _map_floats(out, lambda t: t.to(torch.float32) if t is loss and t.dtype == dtype else t)
+        if loss.dtype != dtype:  # the usual case (losses run in float32 under autocast): nothing to cast
+            return out
+        return _map_floats(out, lambda t: t.to(torch.float32) if t is loss else t)
     return _map_floats(out, _cast_to(torch.float32, only=dtype))
 
 
