@@ -250,6 +250,28 @@ def test_a_step_time_limit_is_decided_beyond_the_noise():
     assert not within_slowdown(base, sw.Timing((11.0, 11.1, 10.9)), 1.0)      # 1.10x, tight timings: over
     assert within_slowdown(base, sw.Timing((9.0, 11.0, 13.0)), 1.0)           # 1.10x, but a 36% spread
     assert not within_slowdown(base, sw.Timing((10.2, 10.3, 10.1)), 1.0, tolerance=0.0)
+    # Five rounds in turns: one slow round of the plan is a hiccup, not a spread that excuses 1.2x.
+    five = sw.Timing((10.0, 10.1, 9.9, 10.0, 10.05))
+    assert not within_slowdown(five, sw.Timing((12.0, 12.1, 11.9, 12.0, 30.0)), 1.0)
+    assert within_slowdown(five, sw.Timing((12.0, 12.1, 11.9, 12.0, 30.0)), 1.25)
+    # Drift that falls on both alike (rounds paired) is no noise: 1.10x in every round is over.
+    assert not within_slowdown(sw.Timing((10.0, 14.0, 10.0, 14.0, 10.0)), sw.Timing((11.0, 15.4, 11.0, 15.4, 11.0)), 1.0)
+
+
+def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():
+    import dataclasses
+
+    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.report import Row
+
+    prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
+    plans = {"checkpoint('a')": (869.0, 38.0), "checkpoint('a'), compile()": (875.0, 14.5),
+             "checkpoint('b')": (700.0, 99.0)}
+    rows = [Row(sw.Plan.parse(text), dataclasses.replace(prof, step_ms=ms)) for text, (_, ms) in plans.items()]
+    search = _Search(None, None, lambda r: plans[str(r.plan)][0], 1000.0, 30.0, None, 45.0, False, False, 1.5)
+    assert str(search.final(rows).plan) == "checkpoint('a'), compile()"  # 0.7% more memory at 0.4x the time
+    search.max_t = 120.0
+    assert str(search.final(rows).plan) == "checkpoint('b')"  # 20% less memory: the smaller wins
 
 
 def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
@@ -291,3 +313,22 @@ def test_the_notes_say_where_autoplans_own_time_went():
     plan, report = sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
     (line,) = [n for n in report.notes if n.startswith("autoplan's own time:")]
     assert "s measuring" in line and "s verifying" in line and report.notes[-1] == f"plan: {plan}"
+
+
+def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best():
+    step = "compile(backend='aot_eager')"  # the same ops as eager: no C++ compiler needed
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile=step, **FAST)
+    compiled = [r for r in report.rows if r.role == "compiled"]
+    assert compiled and all(str(r.plan).endswith(step) and r.profile is not None for r in compiled)
+    assert all(r.label.startswith("compiled: ") for r in compiled)
+    tried = [r for r in report.rows if r.role in ("chosen", "compiled")]
+    best = min(tried, key=lambda r: (report.value(r), r.profile.step_ms))
+    assert plan == best.plan
+    assert not [r for r in sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)[1].rows if r.role == "compiled"]
+
+
+def test_a_plan_that_fails_to_compile_is_a_row_and_the_eager_plan_stands():
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile="compile(backend='no_such_backend')", **FAST)
+    (failed,) = [r for r in report.rows if r.role == "compiled"]
+    assert failed.profile is None and "no_such_backend" in failed.error
+    assert len(plan) and "compile" not in str(plan)

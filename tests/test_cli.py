@@ -183,6 +183,14 @@ def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):
     assert main(["profile", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--plan", plan, *FAST]) == 0
 
 
+def test_fit_compile_tries_the_plans_compiled(capsys):
+    step = "compile(backend='aot_eager')"
+    assert main(["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--max-slowdown", "100",
+                 "--compile", step, *FAST]) == 0
+    out, _ = capsys.readouterr()
+    assert "compiled: " in out and step in out
+
+
 def test_fit_needs_a_readable_budget(capsys):
     one_error_line(capsys, ["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--budget", "lots", *FAST],
                    "cannot read budget 'lots'")

@@ -332,7 +332,7 @@ def _fit(args: argparse.Namespace) -> int:
     factory, batch = load_model(args.model, args.input, args.batch)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
                             allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
-                            device=device, progress=_Bar())
+                            device=device, progress=_Bar(), compile=args.compile or False)
     report.model = args.model
     _emit(args, report)
     if args.json != "-":
@@ -381,6 +381,9 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--budget", type=_budget, help="e.g. 4GiB, 500MB, or 0.5 (a fraction of the baseline)")
     fit.add_argument("--max-slowdown", type=float, help="the most step time allowed, as a multiple of the baseline's")
     fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
+    fit.add_argument("--compile", nargs="?", const=True, metavar="STEP",
+                     help="also try the plans compiled (with compile(), or the compile step given, "
+                          "e.g. \"compile(mode='max-autotune')\")")
     fit.add_argument("--maximize", choices=("speed", "batch"), default="speed",
                      help="speed: least slowdown within the budget; batch: the largest batch that fits")
     outputs(fit, iterations=3)

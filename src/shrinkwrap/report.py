@@ -17,7 +17,7 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
     rows[]:
       step (the row's label: "baseline", the step's text, "chosen (round 1)", ...),
       plan (the row's whole plan as text),
-      role ("baseline" | "step" | "candidate" | "chosen" | "batch"), round (autoplan's
+      role ("baseline" | "step" | "candidate" | "chosen" | "compiled" | "batch"), round (autoplan's
         verification round, or null), batch_size and fits (maximize="batch" rows, or null),
       status ("ok" | "oom" | "failed"), error (null or the message),
       value_mib (the metric; of the largest rank under a process group), delta_prev_mib,
@@ -74,7 +74,8 @@ class Row:
     last step matched and skipped, and its place in the report.
 
     ``role`` is ``"baseline"``, ``"step"`` (a plan report's row: the plan up to that step),
-    ``"candidate"`` (autoplan), ``"chosen"`` (autoplan's verification ``round``) or ``"batch"``
+    ``"candidate"`` (autoplan), ``"chosen"`` (autoplan's verification ``round``), ``"compiled"``
+    (autoplan's ``compile`` stage) or ``"batch"``
     (``maximize="batch"``: ``batch_size`` and whether it ``fits``). :attr:`label` is its text.
     """
 
@@ -98,6 +99,8 @@ class Row:
             return str(self.plan.steps[-1])
         if self.role == "chosen":
             return f"chosen (round {self.round})"
+        if self.role == "compiled":
+            return f"compiled: {self.plan}"
         if self.role == "batch":
             return f"batch {self.batch_size}: {'fits' if self.fits else 'too large'}"
         return str(self.plan) or "baseline"
