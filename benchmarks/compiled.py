@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, SEQ, HandAutocast, _load, build, same_run_main, with_timings  # noqa: E402
+from run import HandAutocast, breaks, build, measure_same_run, ratio_table, same_run_main  # noqa: E402
 
 STEM = r"checkpoint(r'conv1|bn1|relu|maxpool', chain=True)"  # torchvision ResNets' stem, one region
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
@@ -51,6 +51,8 @@ PLANS: dict[str, dict[str, str]] = {
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
     },
     "bert": {
+        "sw_bf16": r"autocast(torch.bfloat16), compile()",
+        "sw_bf16_budget0.5": r"autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_ckpt_blocks_bf16": r"checkpoint(r'bert\.encoder\.layer\.\d+'), autocast(torch.bfloat16), compile()",
     },
     "gpt2": {
@@ -72,43 +74,12 @@ def configurations(model_name: str) -> dict[str, Callable[[], nn.Module]]:
 
 
 def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
-    _, batch = _load(model_name, MODELS[model_name][1])
-    options = sw.Options(device="cuda", iterations=3, warmup=3)
-    models, rows = {}, []
-    for name, make in configurations(model_name).items():
-        if only and name not in only:
-            continue
-        model = make()
-        try:
-            prof = sw.measure(model, batch, iterations=options.iterations, warmup=options.warmup, device="cuda")
-        except torch.cuda.OutOfMemoryError as exc:
-            rows.append({"model": model_name, "config": name, "error": str(exc).splitlines()[0]})
-            continue
-        models[name] = model
-        rows.append({"model": model_name, "config": name, "plan": PLANS[model_name].get(name),
-                     "activation_mib": round((prof.peak - prof.static) / 2**20, 1),
-                     "peak_mib": round(prof.peak / 2**20, 1), "graph_breaks": prof.graph_breaks,
-                     "recompiles": prof.recompiles, "first_ms": round(prof.first_ms, 1)})
-        print(f"measured {name}", file=sys.stderr, flush=True)
-    times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=5)
-    return with_timings(rows, times, 2, batch=MODELS[model_name][1], seq=SEQ.get(model_name))
+    makers = {k: v for k, v in configurations(model_name).items() if not only or k in only}
+    return measure_same_run(model_name, makers, rounds, PLANS[model_name])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    by = {r["config"]: r for r in rows if "error" not in r}
-    base, anchor = by.get("fp32_eager"), by.get("compile_bf16")
-    lines = ["| model | configuration | activation MiB | x fp32 | x compile+bf16 | step ms (rounds low-high) | "
-             "x fp32 | x compile+bf16 | graph breaks |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r['error']} |||||||")
-            continue
-        ratio = lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref and ref.get(key) else "-"  # noqa: E731
-        lines.append(
-            f"| {r['model']} | {r['config']} | {r['activation_mib']} | {ratio('activation_mib', base)} | "
-            f"{ratio('activation_mib', anchor)} | {r.get('step_ms', '-')} ({r.get('step_ms_low')}-{r.get('step_ms_high')}) | "
-            f"{ratio('step_ms', base)} | {ratio('step_ms', anchor)} | {r['graph_breaks'] if r['graph_breaks'] is not None else '-'} |")
-    return "\n".join(lines)
+    return ratio_table(rows, {"fp32": "fp32_eager", "compile+bf16": "compile_bf16"}, {"graph breaks": breaks})
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def plans(blocks: str) -> dict[str, str]:
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
         "chunked_bf16_compiled": "chunked_loss(), autocast(torch.bfloat16), compile()",
+        "chunked_bf16_compiled_budget0.5": "chunked_loss(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
+        "chunked_bf16_compiled_budget0.8": "chunked_loss(), autocast(torch.bfloat16), compile(memory_budget=0.8)",
+        "chunked4096_bf16_compiled": "chunked_loss(chunk_size=4096), autocast(torch.bfloat16), compile()",
         "ckpt_bf16_chunked_compiled": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16), compile()",
     }
 

@@ -306,6 +306,65 @@ def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
     plt.close(fig)
 
 
+def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]], rounds: int,
+                     plans: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every configuration of one model in this process: memory from ``shrinkwrap.measure`` one at a
+    time (activation = steady-state peak - allocated before it, so the other configurations'
+    weights, lying in memory meanwhile, are left out), then step times from
+    ``shrinkwrap.time_interleaved`` (configurations in turns, ``rounds`` rounds of 5 iterations).
+    A configuration that fails is a row with its error."""
+    import shrinkwrap as sw
+
+    _, batch = _load(model_name, MODELS[model_name][1])
+    options = sw.Options(device="cuda", iterations=3, warmup=3)
+    models, rows = {}, []
+    for name, make in makers.items():
+        row: dict[str, Any] = {"model": model_name, "config": name, "plan": (plans or {}).get(name)}
+        try:
+            model = make()
+            prof = sw.measure(model, batch, iterations=options.iterations, warmup=options.warmup, device="cuda")
+        except Exception as exc:  # noqa: BLE001 - out of memory, or an anchor this torch lacks: a row
+            rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+            torch.cuda.empty_cache()
+            continue
+        models[name] = model
+        rows.append({**row, "activation_mib": round((prof.peak - prof.static) / 2**20, 1),
+                     "peak_mib": round(prof.peak / 2**20, 1), "graph_breaks": prof.graph_breaks,
+                     "recompiles": prof.recompiles, "first_ms": round(prof.first_ms, 1)})
+        print(f"measured {name}: {rows[-1]['activation_mib']} MiB", file=sys.stderr, flush=True)
+    times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=5)
+    return with_timings(rows, times, 2, batch=MODELS[model_name][1], seq=SEQ.get(model_name))
+
+
+def ratio_table(rows: list[dict[str, Any]], refs: dict[str, str],
+                extra: dict[str, Callable[[dict[str, Any]], Any]]) -> str:
+    """The same-run scripts' markdown table: activation and step time (median, fastest-slowest
+    round), each with its ratio to every reference row (``refs``: column label -> configuration),
+    then the ``extra`` columns (label -> the cell of a row)."""
+    by = {r["config"]: r for r in rows if "error" not in r}
+    heads = [f"x {label}" for label in refs]
+    lines = ["| " + " | ".join(["model", "configuration", "activation MiB", *heads, "step ms (rounds low-high)",
+                                *heads, *extra]) + " |", "|---" * (4 + 2 * len(refs) + len(extra)) + "|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['config']} | {r['error']} |" + "|" * (1 + 2 * len(refs) + len(extra)))
+            continue
+
+        def ratios(key: str) -> list[str]:
+            return [f"{r[key] / by[c][key]:.2f}" if c in by and by[c].get(key) and r.get(key) else "-"
+                    for c in refs.values()]
+
+        cells = [r["model"], r["config"], r["activation_mib"], *ratios("activation_mib"),
+                 f"{r.get('step_ms', '-')} ({r.get('step_ms_low')}-{r.get('step_ms_high')})", *ratios("step_ms"),
+                 *(cell(r) for cell in extra.values())]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def breaks(row: dict[str, Any]) -> Any:
+    return "-" if row.get("graph_breaks") is None else row["graph_breaks"]
+
+
 def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int = 1, **extra: Any) -> list[dict[str, Any]]:
     """The same-run scripts' rows with their interleaved step times (median, fastest and slowest
     round: ``shrinkwrap.Timing``), the GPU, the torch version, the date and ``extra``."""

@@ -1,0 +1,83 @@
+"""autoplan's plans beside the suite's anchors and hand recipes, every row in one process.
+
+    python benchmarks/frontier.py --model resnet18 [--rounds 5] [--json out.json]
+
+First ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``),
+lossy steps allowed, with its compile stage (``compile=True``), the second call reusing the first's
+measurements; its own seconds are recorded. Then every row (the anchors of ``run.py`` as users
+write them, the hand recipes eager and compiled, and the two plans) is measured in this process
+by ``run.measure_same_run``: memory one configuration at a time, step times in turns. ``compile_budget0.5`` is left out: its budget is a global setting that
+would reach every later compilation in the process.
+
+A plan is *dominated* by a row with less activation memory, by more than 2%, and less step time,
+beyond the spread: that row's slowest round faster than the plan's fastest. The table names, for
+each autoplan row, the rows that dominate it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from run import (ANCHORS, MODELS, _load, breaks, build, measure_same_run, ratio_table, recipes,  # noqa: E402
+                 same_run_main)
+
+SLOWDOWNS = {"auto_fast": 1.0, "auto_small": 1.5}
+
+
+def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The configurations that dominate ``row``: less activation by more than 2%, and a slowest
+    round faster than ``row``'s fastest."""
+    if "error" in row:
+        return []
+    return [r["config"] for r in rows if "error" not in r and r is not row
+            and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
+
+
+def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+    _, batch = _load(model_name, MODELS[model_name][1])
+    blocks = MODELS[model_name][2]
+    cache: dict = {}
+    auto: dict[str, dict[str, Any]] = {}
+    for config, slowdown in SLOWDOWNS.items():
+        started = time.perf_counter()
+        plan, report = sw.autoplan(functools.partial(build, model_name), batch, max_slowdown=slowdown,
+                                   allow_lossy=True, device="cuda", cache=cache, compile=True,
+                                   progress=lambda i, n, what: print(f"  autoplan {i}/{n} {what}", file=sys.stderr))
+        auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
+                        "candidates": len(report.rows) - 1, "notes": report.notes}
+        print(f"{config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
+    texts = {**recipes(model_name), **{k: v["plan"] for k, v in auto.items()}}
+    makers: dict[str, Callable[[], nn.Module]] = {
+        name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks), name)
+        for name in ANCHORS if name != "compile_budget0.5"}
+    makers.update({name: functools.partial(lambda t: sw.apply(build(model_name), t), text)
+                   for name, text in texts.items()})
+    makers = {k: v for k, v in makers.items() if not only or k in only or k in auto}
+    rows = measure_same_run(model_name, makers, rounds, texts)
+    for row in rows:
+        row.update(auto.get(row["config"], {}))
+    for row in rows:
+        if row["config"] in auto:
+            row["dominated_by"] = dominated_by(row, rows)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    text = ratio_table(rows, {"fp32": "base_fp32", "compile+bf16": "compile+bf16"}, {
+        "graph breaks": breaks, "autoplan s": lambda r: r.get("autoplan_s", ""),
+        "dominated by": lambda r: ", ".join(r["dominated_by"]) or "none" if "dominated_by" in r else ""})
+    return "\n".join([text, "", *(f"- {r['config']}: `{r['plan']}`" for r in rows if r.get("plan") and "error" not in r)])
+
+
+if __name__ == "__main__":
+    same_run_main(__doc__, list(MODELS), run, table, rounds=5)
