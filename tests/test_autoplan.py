@@ -181,7 +181,29 @@ def test_chosen_regions_read_as_one_regex_that_selects_exactly_them():
         assert isinstance(step.pattern, str) and sw.Plan.parse(str(plan)) == plan
         assert sw.select(model, step.pattern) == [n for c in picked for n in c.covers]
     assert str(_plan(chosen, model)) == r"checkpoint(r'1\.\d+')"
-    assert str(_plan(chosen[9:], model)) == r"checkpoint(r'1\.(?:9|10|11)')"
+    assert str(_plan(chosen[9:], model)) == r"checkpoint(r'1\.(?:9|1[01])')"
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer4.0"], r"layer[12]\.\d+|layer4\.0"),
+    ([f"layer3.{i}" for i in range(9, 18)], r"layer3\.(?:9|1[0-7])"),
+    ([f"layer3.{i}" for i in range(10, 36)], r"layer3\.(?:[12]\d|3[0-5])"),
+    (["layer1.0", "layer3.0"], r"layer[13]\.0"),
+    (["conv1", "bn1", "relu", "maxpool"], "conv1|bn1|relu|maxpool"),
+    (["layer1.1", "layer2.0"], r"layer1\.1|layer2\.0"),
+])
+def test_block_names_read_as_a_short_regex_that_selects_exactly_them(names, expected):
+    from shrinkwrap.select import pattern_for
+
+    def stage(n):
+        return nn.Sequential(*[nn.Sequential(nn.Linear(2, 2)) for _ in range(n)])
+
+    model = nn.Module()
+    model.conv1, model.bn1, model.relu, model.maxpool = nn.Linear(2, 2), nn.Identity(), nn.ReLU(), nn.Identity()
+    for i, n in enumerate((2, 2, 36, 2), 1):
+        setattr(model, f"layer{i}", stage(n))
+    text = pattern_for(model, names)
+    assert text == expected and sorted(sw.select(model, text)) == sorted(names)
 
 
 def _effects_table(*rows):

@@ -167,30 +167,81 @@ def select(
     return chosen
 
 
+def _digit_class(digits: list[int]) -> str:
+    """A regex for one digit out of ``digits``: ``\\d``, ``7``, ``[0-7]``, ``[239]``."""
+    if len(digits) == 10:
+        return r"\d"
+    runs: list[list[int]] = []
+    for d in sorted(digits):
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    body = "".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else "".join(map(str, r)) for r in runs)
+    return body if len(digits) == 1 else f"[{body}]"
+
+
+def _numbers(numbers: list[int]) -> str:
+    """A regex that matches exactly ``numbers`` (no leading zeros): ``[0-5]``, ``9|1[0-7]``,
+    ``[1-3]\\d``; tens with the same last digits share one class."""
+    by_tens: dict[int, list[int]] = {}
+    for n in sorted(set(numbers)):
+        by_tens.setdefault(n // 10, []).append(n % 10)
+    small = by_tens.pop(0, None)
+    same_ends: dict[str, list[int]] = {}
+    for tens, ends in by_tens.items():
+        same_ends.setdefault(_digit_class(ends), []).append(tens)
+    parts = [_digit_class(small)] if small else []
+    for ends, tens in same_ends.items():
+        head = _digit_class(tens) if max(tens) < 10 else _numbers(tens)
+        parts.append((f"(?:{head})" if "|" in head else head) + ends)
+    return "|".join(parts)
+
+
+def _part(parent: str, children: str) -> str:
+    """``parent\\.children`` (children an alternation in a group), or ``children`` at the root."""
+    if not parent:
+        return children
+    return parent + r"\." + (f"(?:{children})" if "|" in children else children)
+
+
 def pattern_for(model: nn.Module, names: Sequence[str]) -> str:
     """A full-match regex that selects exactly ``names`` among ``model``'s modules, as short as
     reads well: the numbered children of one parent as ``layer3\\.\\d+`` when they are all of
-    them, else an alternation (``layer3\\.(?:9|10|11)``); the names themselves, escaped, when
-    nothing shorter selects exactly them.
+    them, some of them as numbers (``layer3\\.(?:9|1[0-7])``); parents that differ by their number
+    alone and hold the same children as one (``layer[1-3]\\.\\d+``); the names themselves,
+    escaped, when nothing shorter selects exactly them.
 
     Example::
 
-        >>> pattern_for(resnet, ["layer3.0", "layer3.1", "layer4.0", "layer4.1"])
-        'layer3\\.\\d+|layer4\\.\\d+'
+        >>> pattern_for(resnet, ["layer2.0", "layer2.1", "layer3.0", "layer3.1", "layer4.0"])
+        'layer[23]\\.\\d+|layer4\\.0'
     """
     groups: dict[str, list[str]] = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
         groups.setdefault(parent, []).append(leaf)
-    parts = []
+    children: dict[str, str] = {}  # parent -> the regex of its chosen children
     for parent, leaves in groups.items():
-        prefix = regex.escape(parent) + r"\." if parent else ""
         siblings = [k for k in model.get_submodule(parent)._modules] if parent or not names else list(model._modules)
         if all(k.isdigit() for k in siblings) and sorted(leaves) == sorted(siblings):
-            parts.append(prefix + r"\d+")
+            children[parent] = r"\d+"
+        elif all(k.isdigit() and (k == "0" or not k.startswith("0")) for k in leaves):
+            children[parent] = _numbers([int(k) for k in leaves])
         else:
-            alternatives = "|".join(regex.escape(k) for k in leaves)
-            parts.append(prefix + (f"(?:{alternatives})" if len(leaves) > 1 else alternatives))
+            children[parent] = "|".join(regex.escape(k) for k in leaves)
+    # Parents that differ by a trailing number alone (layer1, layer2) and hold the same children: one part.
+    numbered: dict[tuple[str, str], list[int]] = {}
+    parts: list[str] = []
+    for parent, kids in children.items():
+        m = regex.fullmatch(r"(.*?\D)?(0|[1-9]\d*)", parent)
+        if m:
+            numbered.setdefault((m.group(1) or "", kids), []).append(int(m.group(2)))
+        else:
+            parts.append(_part(regex.escape(parent), kids))
+    for (stem, kids), numbers in numbered.items():
+        digits = _numbers(numbers)
+        parts.append(_part(regex.escape(stem) + (f"(?:{digits})" if "|" in digits else digits), kids))
     text = "|".join(parts)
     wanted = sorted(names)
     if sorted(select(model, text, allow_empty=True)) == wanted:

@@ -423,7 +423,7 @@ class Checkpoint(Step):
     @classmethod
     def merge(cls, steps: list[Step], model: nn.Module) -> list[Step]:
         """Regions chosen by name become one step with one regex selecting exactly them
-        (``checkpoint(r'layer3\\.\\d+|layer4\\.(?:0|1)')``, not a tuple of names). Chain steps stay
+        (``checkpoint(r'layer3\\.\\d+|layer4\\.[01]')``, not a tuple of names). Chain steps stay
         as they are: merged with each other, two chains side by side would become one."""
         named = [s for s in steps if not s.chain and isinstance(s.pattern, tuple)
                  and all(isinstance(p, str) for p in s.pattern)]
