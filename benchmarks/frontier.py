@@ -54,7 +54,7 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
                                    allow_lossy=True, device="cuda", cache=cache, compile=True,
                                    progress=lambda i, n, what: print(f"  autoplan {i}/{n} {what}", file=sys.stderr))
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
-                        "candidates": len(report.rows) - 1, "notes": report.notes}
+                        "candidates": sum(r.role == "candidate" for r in report.rows), "notes": report.notes}
         print(f"{config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
     texts = {**recipes(model_name), **{k: v["plan"] for k, v in auto.items()}}
     makers: dict[str, Callable[[], nn.Module]] = {

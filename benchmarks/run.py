@@ -211,9 +211,10 @@ def run_autoplan(model_name: str, batch: Any) -> list[dict[str, Any]]:
         plan, report = sw.autoplan(functools.partial(build, model_name), batch, max_slowdown=slowdown,
                                    allow_lossy=True, device="cuda", iterations=8, warmup=3, cache=cache)
         seconds = time.perf_counter() - t0
-        final = report.rows[-1] if len(plan) else report.rows[0]
+        final = next((r for r in report.rows[::-1] if r.plan == plan and r.role != "candidate"), report.rows[0])
         row = {"model": model_name, "batch": MODELS[model_name][1], "config": config, "kind": "shrinkwrap",
-               "plan": str(plan), "autoplan_s": round(seconds, 1), "candidates": len(report.rows) - 1,
+               "plan": str(plan), "autoplan_s": round(seconds, 1),
+               "candidates": sum(r.role == "candidate" for r in report.rows),
                "notes": report.notes}
         rows.append({**row, **_figures(final.profile)} if final.profile else {**row, "error": final.error})
     return rows

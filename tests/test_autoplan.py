@@ -354,3 +354,29 @@ def test_a_plan_that_fails_to_compile_is_a_row_and_the_eager_plan_stands():
     (failed,) = [r for r in report.rows if r.role == "compiled"]
     assert failed.profile is None and "no_such_backend" in failed.error
     assert len(plan) and "compile" not in str(plan)
+
+
+@pytest.mark.parametrize("bad", ["compiel()", "swish()", "compile(), swish()", 3])
+def test_a_compile_argument_that_is_no_compile_step_fails_before_anything_is_measured(bad, monkeypatch):
+    import sys
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+    monkeypatch.setattr(ap, "measure_plans", lambda *a, **k: pytest.fail("measured before reading compile="))
+    with pytest.raises(ValueError):
+        sw.autoplan(mlp, BATCH, max_slowdown=2.0, compile=bad, **FAST)
+
+
+def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows_are_faster():
+    import dataclasses
+
+    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.report import Row
+
+    prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
+    plans = {"checkpoint('a')": (500.0, 30.0), "checkpoint('a'), compile()": (600.0, 10.0),
+             "checkpoint('b'), compile()": (400.0, 20.0)}
+    rows = [Row(sw.Plan.parse(text), dataclasses.replace(prof, step_ms=ms)) for text, (_, ms) in plans.items()]
+    search = _Search(None, None, lambda r: plans[str(r.plan)][0], 1000.0, 30.0, 800.0, 45.0, False, True, 1.5)
+    assert str(search.final(rows).plan) == "checkpoint('b'), compile()"
+    search.by_memory = False  # a budget to meet at the highest speed: the fastest within it
+    assert str(search.final(rows).plan) == "checkpoint('a'), compile()"

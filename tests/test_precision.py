@@ -448,3 +448,27 @@ def test_model_outputs_pass_without_copy_copy_which_dynamo_does_not_trace(monkey
     doubled = tree_map(lambda t: t * 2, with_loss)
     assert type(doubled) is type(with_loss) and doubled is not with_loss
     assert list(doubled.keys()) == ["loss", "logits"] and torch.equal(doubled.loss, with_loss.loss * 2)
+
+
+def test_outputs_the_constructor_cannot_rebuild_keep_their_keys():
+    """A ModelOutput with a key that is no field, and a dataclass dict that is no ModelOutput,
+    come back with every key (by copy, as before)."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from shrinkwrap._tree import tree_map
+
+    out = transformers.modeling_outputs.CausalLMOutputWithPast(loss=torch.ones(()), logits=torch.ones(2))
+    out["extra"] = torch.ones(3)
+    mapped = tree_map(lambda t: t * 2, out)
+    assert type(mapped) is type(out) and list(mapped.keys()) == ["loss", "logits", "extra"]
+    assert torch.equal(mapped["extra"], torch.full((3,), 2.0))
+
+    @dataclasses.dataclass
+    class Tagged(dict):
+        tag: str = "x"
+
+    tagged = Tagged()
+    tagged["tag"] = torch.ones(1)
+    mapped = tree_map(lambda t: t * 3, tagged)
+    assert type(mapped) is Tagged and list(mapped) == ["tag"] and torch.equal(mapped["tag"], torch.full((1,), 3.0))

@@ -31,10 +31,11 @@ def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         if type(obj) is dict:  # the common case, and one torch.compile traces without a break
             return items
         # Dynamo does not trace copy.copy (a graph break on torch 2.11 / Python 3.12): a Hugging
-        # Face ModelOutput (a dataclass and a dict) is built anew by its own constructor, as the
-        # model's forward built it, which dynamo traces.
-        if dataclasses.is_dataclass(obj):
-            return type(obj)(**items)
+        # Face ModelOutput (a dataclass and a dict with a to_tuple) whose keys are all fields is
+        # built anew by its own constructor, as the model's forward built it, which dynamo traces.
+        cls = type(obj)
+        if hasattr(cls, "to_tuple") and set(items) <= set(getattr(cls, "__dataclass_fields__", ())):
+            return cls(**items)
         new = copy.copy(obj)  # keeps the dict's own type and attributes (OrderedDict, defaultdict)
         for key, value in items.items():
             new[key] = value

@@ -159,28 +159,34 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     return best[1]
 
 
-def within_slowdown(baseline: Timing, plan: Timing, max_slowdown: float, tolerance: float = 0.03) -> bool:
-    """Whether ``plan`` runs within ``max_slowdown`` times ``baseline``'s step time, both timed in
-    turns. It is over the limit only beyond the noise: its ratio must exceed the limit by more than
-    ``tolerance`` and more than half the spread of the ratio.
+def paired_ratio(baseline: Timing, plan: Timing) -> tuple[float, float]:
+    """``plan``'s step time as a multiple of ``baseline``'s, and the spread of that ratio.
 
     Timed in turns, round i of the plan and of the baseline ran side by side: the ratio is the
-    median of the rounds' ratios (drift falls on both alike), and its spread their range, without
-    the highest and the lowest where there are five rounds or more, so that one hiccup of the
-    shared GPU cannot excuse a plan 20% over the limit.
+    median of the rounds' ratios (drift falls on both alike), and its spread their range over the
+    ratio, without the highest and the lowest where there are five rounds or more, so that one
+    hiccup of the shared GPU is not taken for noise. Timings of unequal rounds: the medians' ratio
+    and the wider of their spreads."""
+    if len(baseline.rounds_ms) != len(plan.rounds_ms):
+        return plan.median / baseline.median, max(baseline.spread, plan.spread)
+    ratios = sorted(p / b for p, b in zip(plan.rounds_ms, baseline.rounds_ms))
+    ratio = statistics.median(ratios)
+    kept = ratios[1:-1] if len(ratios) >= 5 else ratios
+    return ratio, (kept[-1] - kept[0]) / ratio
+
+
+def within_slowdown(baseline: Timing, plan: Timing, max_slowdown: float, tolerance: float = 0.03) -> bool:
+    """Whether ``plan`` runs within ``max_slowdown`` times ``baseline``'s step time, both timed in
+    turns: over the limit only beyond the noise, that is, when the ratio (:func:`paired_ratio`)
+    exceeds the limit by more than ``tolerance`` and more than half its spread. One slow round
+    cannot excuse a plan 20% over the limit.
 
     Example::
 
         >>> within_slowdown(Timing((10.0, 10.2)), Timing((10.3, 10.4)), 1.0)   # 1.03x, inside the noise
         True
     """
-    if len(baseline.rounds_ms) != len(plan.rounds_ms):  # not paired: the medians and their spreads
-        ratio, spread = plan.median / baseline.median, max(baseline.spread, plan.spread)
-    else:
-        ratios = sorted(p / b for p, b in zip(plan.rounds_ms, baseline.rounds_ms))
-        ratio = statistics.median(ratios)
-        kept = ratios[1:-1] if len(ratios) >= 5 else ratios
-        spread = (kept[-1] - kept[0]) / ratio
+    ratio, spread = paired_ratio(baseline, plan)
     return ratio <= max_slowdown * (1 + max(tolerance, spread / 2))
 
 
@@ -303,9 +309,9 @@ class _Search:
             chosen += nxt
         return tried
 
-    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: str) -> list[Row]:
+    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
-        each with ``step`` (a compile step's text) last, measured in a fresh process and timed in
+        each with ``step`` (a plan of one compile step) last, measured in a fresh process and timed in
         turns with the baseline. A plan that fails to compile is a row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
@@ -320,7 +326,7 @@ class _Search:
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit, else the smallest."""
         ok = [r for r in tried if self.fits(r)]
-        if ok and self.target is not None:
+        if ok and self.target is not None and not self.by_memory:
             return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
         if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
             least = min(self.metric(r) for r in ok)
@@ -346,6 +352,19 @@ def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Eff
             why += " (lossy)"
         notes.append(why)
     return notes
+
+
+def _compile_step(compile: bool | str) -> Plan | None:
+    """``autoplan``'s ``compile`` argument as a plan of one compile step, read before anything is
+    measured (a typo found after an hour of measuring would waste the hour)."""
+    if compile is False:
+        return None
+    text = "compile()" if compile is True else compile
+    plan = Plan.parse(text) if isinstance(text, str) else None
+    if plan is None or len(plan) != 1 or plan.steps[0].name != "compile":
+        raise ValueError(f"shrinkwrap: autoplan(compile=...) takes True or a compile step's text such as "
+                         f"\"compile(mode='max-autotune')\"; got {compile!r}")
+    return plan
 
 
 def autoplan(
@@ -412,6 +431,7 @@ def autoplan(
         raise ValueError(f"shrinkwrap: maximize is 'speed' or 'batch', got {maximize!r}")
     if maximize == "batch" and budget is None:
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
+    compile_step = _compile_step(compile)
     make = model_maker(model_or_factory, "autoplan()")
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     dev = resolve_device(device)
@@ -453,8 +473,8 @@ def autoplan(
     effects = in_base + effects
     measured = time.perf_counter()
     tried = search.verify(chosen, in_base, effects, rounds, progress, len(cands))
-    if compile:
-        tried += search.compiled(tried, effects, start_mem, start_t, "compile()" if compile is True else compile)
+    if compile_step is not None:
+        tried += search.compiled(tried, effects, start_mem, start_t, compile_step)
     verified = time.perf_counter()
 
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
@@ -465,9 +485,9 @@ def autoplan(
     notes += _effect_notes(effects, chosen, in_base, base_steps)
     for row in tried:
         if str(row.plan) in search.ratios:
-            base_timing, plan_timing = search.ratios[str(row.plan)]
-            notes.append(f"{row.label}: {plan_timing.median / base_timing.median:.3f}x the baseline's step time, "
-                         f"timed in turns with it (spread {base_timing.spread:.1%} and {plan_timing.spread:.1%}): "
+            ratio, spread = paired_ratio(*search.ratios[str(row.plan)])
+            notes.append(f"{row.label}: {ratio:.3f}x the baseline's step time, timed in turns with it "
+                         f"(median of the rounds' ratios, spread {spread:.1%}): "
                          f"{'within' if search.fits_time(row) else 'over'} the limit of {max_slowdown}x")
     final = search.final(tried)
     if not search.fits(final):
