@@ -307,7 +307,12 @@ def _rank(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any
     try:
         wrap = parallel.fsdp if args.fsdp else parallel.ddp if args.ddp else None
         parallelize = functools.partial(wrap, device=device) if wrap else None
-        return _run(args, factory, batch, plan, args.model, parallelize, str(device))
+        status = _run(args, factory, batch, plan, args.model, parallelize, str(device))
+        # Every rank leaves the group together: a gloo rank that tore its group down while rank 0
+        # was still printing once died at exit with SIGABRT ("terminate called without an active
+        # exception", a clean-clone CI run on 2026-11-23; not reproduced in 12 reruns).
+        torch.distributed.barrier()
+        return status
     finally:
         torch.distributed.destroy_process_group()
 
