@@ -145,6 +145,27 @@ def test_bf16_chunks_match_a_float64_head_of_the_same_bf16_inputs(chunk, with_bi
         torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("half, kept", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_gradients_wait_for_backward_in_bfloat16_as_the_plain_autocast_model_rounds_them(half, kept):
+    """Under bfloat16 autocast the head's gradients wait for backward in bfloat16 (the plain model's
+    matmuls give them in bfloat16 too; a 128k-vocabulary head's float32 weight gradient is 1 GiB);
+    under float16 in float32, which the GradScaler's factor has not reached yet. The gradients
+    that reach the parameters have the parameters' dtype."""
+    from shrinkwrap.transforms.lm_head import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(12, 8, generator=g, requires_grad=True), torch.randn(30, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 30, (12,), generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=half):
+            loss = chunked_cross_entropy(hidden, weight, None, labels, chunk_size=5)
+    assert ((30, 8), kept) in saved and ((12, 8), kept) in saved
+    assert not any(shape == (12, 30) or shape == (5, 30) for shape, _ in saved)  # no logits
+    loss.backward()
+    assert weight.grad.dtype == hidden.grad.dtype == torch.float32
+
+
 def test_tied_weight_gets_both_gradients():
     model = _gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight

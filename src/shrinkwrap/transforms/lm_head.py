@@ -103,7 +103,10 @@ class _HeadLoss(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         rows = hidden.shape[0]
         total = hidden.new_zeros((), dtype=acc)
-        grad_h = torch.empty_like(hidden) if want_h else None
+        # Kept until backward in the narrower of their own dtype and bfloat16 where the matmuls run in
+        # bfloat16 (see the end of forward).
+        kept = (lambda d: dtype if dtype == torch.bfloat16 and d.itemsize > 2 else d)
+        grad_h = torch.empty_like(hidden, dtype=kept(hidden.dtype)) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, acc)) if want_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.promote_types(bias.dtype, acc)) if want_b else None
         # Eager, the narrow chunk gradients of two chunks go into one buffer and into the weight's
@@ -152,17 +155,22 @@ class _HeadLoss(torch.autograd.Function):
                     first = start - at
                     grad_w = _add_product(grad_w, buffer[:at + len(gd)].t(),
                                           hidden[first:start + len(gd)].to(dtype))
-        # The sums scaled in float32, then kept in the parameters' own dtype (a bfloat16 head keeps
-        # a bfloat16 gradient, as autograd would give it).
-        grad_w = grad_w.mul_(scale).to(weight.dtype) if want_w else None
-        grad_b = grad_b.mul_(scale).to(bias.dtype) if want_b else None
+        # The sums scaled in float32, then kept until backward in the narrower of the parameter's
+        # dtype and bfloat16 where the matmuls ran in bfloat16 (rounded once): the plain model under bfloat16
+        # autocast rounds its head's gradients to bfloat16 too (its matmuls' outputs), and a float32
+        # copy of a 128k-vocabulary head's weight gradient would hold 1 GiB from forward to
+        # backward. float16 keeps float32: without the GradScaler's factor, which arrives in
+        # backward, small gradients would underflow.
+        grad_w = grad_w.mul_(scale).to(kept(weight.dtype)) if want_w else None
+        grad_b = grad_b.mul_(scale).to(kept(bias.dtype)) if want_b else None
         ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         wide = grad_out.to(torch.promote_types(grad_out.dtype, torch.float32))
-        scaled = [(g * wide).to(g.dtype) if g is not None else None for g in ctx.saved_tensors]
+        scaled = [(g * wide).to(d) if g is not None else None for g, d in zip(ctx.saved_tensors, ctx.dtypes)]
         return (*scaled, None, None, None, None, None, None, None)
 
 
