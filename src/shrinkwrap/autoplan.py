@@ -309,18 +309,25 @@ class _Search:
             chosen += nxt
         return tried
 
-    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan) -> list[Row]:
+    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
+                 progress: Progress | None = None) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
         each with ``step`` (a plan of one compile step) last, measured in a fresh process and timed in
         turns with the baseline. A plan that fails to compile is a row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
         plans = list(dict.fromkeys(p + step for p in (final, smallest)))  # the same plan once
-        rows = self.rows(plans, True)
-        for row in rows:
+        rows = []
+        for i, plan in enumerate(plans):
+            if progress:
+                progress(i, len(plans), f"compiled: {plan}")
+            row = self.rows([plan], True)[0]
             row.role = "compiled"
             if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
                 self.time_against_baseline(row.plan)
+            rows.append(row)
+        if progress:
+            progress(len(plans), len(plans), "compiled plans measured")
         return rows
 
     def final(self, tried: list[Row]) -> Row:
@@ -474,7 +481,7 @@ def autoplan(
     measured = time.perf_counter()
     tried = search.verify(chosen, in_base, effects, rounds, progress, len(cands))
     if compile_step is not None:
-        tried += search.compiled(tried, effects, start_mem, start_t, compile_step)
+        tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)
     verified = time.perf_counter()
 
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
