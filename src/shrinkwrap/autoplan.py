@@ -245,6 +245,14 @@ class _Search:
                                    per_round=self.rows.options.iterations)
         self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
 
+    def measure_chosen(self, plan: Plan) -> Row:
+        """A plan autoplan may answer with: measured in a fresh process (on CUDA), and where it fits
+        the budget, timed in turns with the baseline for the step-time limit."""
+        row = self.rows([plan], True)[0]
+        if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
+            self.time_against_baseline(plan)
+        return row
+
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
         return _search(effects, mem, t, target, self.max_t)
 
@@ -285,11 +293,9 @@ class _Search:
             plan = _plan([e.candidate for e in chosen], self.model)
             if progress:
                 progress(done + r, done + rounds, f"verify {plan}")
-            row = self.rows([plan], True)[0]
+            row = self.measure_chosen(plan)
             row.role, row.round = "chosen", r + 1
             tried.append(row)
-            if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
-                self.time_against_baseline(plan)
             if self.fits(row) or self.by_memory:
                 break
             if row.profile is not None and not self.fits_time(row) and chosen:
@@ -312,8 +318,8 @@ class _Search:
     def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
                  progress: Progress | None = None) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
-        each with ``step`` (a plan of one compile step) last, measured in a fresh process and timed in
-        turns with the baseline. A plan that fails to compile is a row with its error."""
+        each with ``step`` (a plan of one compile step) last, measured as the verified plans are
+        (:meth:`measure_chosen`). A plan that fails to compile is a row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
         plans = list(dict.fromkeys(p + step for p in (final, smallest)))  # the same plan once
@@ -321,10 +327,8 @@ class _Search:
         for i, plan in enumerate(plans):
             if progress:
                 progress(i, len(plans), f"compiled: {plan}")
-            row = self.rows([plan], True)[0]
+            row = self.measure_chosen(plan)
             row.role = "compiled"
-            if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
-                self.time_against_baseline(row.plan)
             rows.append(row)
         if progress:
             progress(len(plans), len(plans), "compiled plans measured")

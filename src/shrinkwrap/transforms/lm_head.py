@@ -156,10 +156,10 @@ class _HeadLoss(torch.autograd.Function):
                     grad_w = _add_product(grad_w, buffer[:at + len(gd)].t(),
                                           hidden[first:start + len(gd)].to(dtype))
         # The sums scaled in float32, then kept until backward in the narrower of the parameter's
-        # dtype and bfloat16 where the matmuls ran in bfloat16 (rounded once): the plain model under bfloat16
-        # autocast rounds its head's gradients to bfloat16 too (its matmuls' outputs), and a float32
-        # copy of a 128k-vocabulary head's weight gradient would hold 1 GiB from forward to
-        # backward. float16 keeps float32: without the GradScaler's factor, which arrives in
+        # dtype and bfloat16 where the matmuls ran in bfloat16 (rounded once): the plain model under
+        # bfloat16 autocast rounds its head's gradients to bfloat16 too (its matmuls' outputs), and
+        # a float32 copy of a 128k-vocabulary head's weight gradient would hold 1 GiB from forward
+        # to backward. float16 keeps float32: without the GradScaler's factor, which arrives in
         # backward, small gradients would underflow.
         grad_w = grad_w.mul_(scale).to(kept(weight.dtype)) if want_w else None
         grad_b = grad_b.mul_(scale).to(kept(bias.dtype)) if want_b else None
