@@ -94,11 +94,13 @@ def test_trains_to_the_same_losses_gradients_and_statistics_as_eager(before):
     "compile()",
     "compile(mode='max-autotune', memory_budget=0.5)",
     "checkpoint('layer1'), compile(fullgraph=True, dynamic=False, backend='aot_eager')",
+    r"compile(memory_budget=0.5, pattern=r'layer\d')",
 ])
 def test_plan_text_round_trips(text):
     plan = sw.Plan.parse(text)
     assert str(plan) == text and sw.Plan.parse(str(plan)) == plan
-    assert plan.steps[-1] == sw.compile(**{k: getattr(plan.steps[-1], k) for k in ("mode", "fullgraph", "dynamic", "memory_budget", "backend")})
+    assert plan.steps[-1] == sw.compile(**{k: getattr(plan.steps[-1], k)
+                                           for k in ("mode", "fullgraph", "dynamic", "memory_budget", "backend", "pattern")})
     assert sw.compile(memory_budget=1) == sw.compile(memory_budget=1.0)
 
 
@@ -188,6 +190,54 @@ def test_memory_budget_applies_to_its_model_only():
     one = _mlp()
     sw.apply(one, [sw.compile(memory_budget=1.0, backend=MINCUT)])
     assert _saved(one) == full  # 1.0 is the default strategy
+
+
+def _compiled_names(model):
+    return [n for n, m in model.named_modules() if m.__dict__.get("_compiled_call_impl") is not None]
+
+
+@pytest.mark.parametrize("before", ["", "checkpoint('layer1'), bn_act()"])
+def test_a_pattern_compiles_the_selected_modules_only_and_trains_as_eager(before):
+    text = f"{before}, compile(backend='aot_eager', pattern=r'layer[12]')".lstrip(", ")
+    model = net64()
+    keys = list(model.state_dict())
+    sw.apply(model, text)
+    assert _compiled_names(model) == ["layer1", "layer2"]  # layer3, the head and the root stay eager
+    assert sw.records(model)[-1].matched == ("layer1", "layer2") and list(model.state_dict()) == keys
+    counters.clear()
+    compiled = _train(text)
+    assert counters["aot_autograd"]["ok"] >= 1
+    eager = _train(before)
+    for a, b in zip(eager, compiled):
+        for t, u in zip(a, b):
+            torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+    sw.revert(model)
+    assert _compiled_names(model) == [] and type(model.layer1).__name__ == "Block"
+
+
+def test_a_pattern_over_nested_modules_compiles_the_outermost_and_copies_keep_it():
+    model = net64()
+    sw.apply(model, r"compile(backend='aot_eager', pattern=r'layer1|layer1\..*|head')")
+    assert _compiled_names(model) == ["layer1", "head"]
+    model.eval()  # no dropout: the copies' outputs compare exactly
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    ref = model(x)
+    for other in _copies(model):
+        assert _compiled_names(other) == ["layer1", "head"]
+        torch.testing.assert_close(other(x), ref, rtol=0, atol=0)
+        sw.revert(other)
+        assert _compiled_names(other) == []
+    assert _compiled_names(model) == ["layer1", "head"]
+
+
+def test_a_pattern_that_selects_nothing_or_a_module_compiled_by_hand_is_refused():
+    model = net64()
+    with pytest.raises(sw.SelectionError, match="layer9"):
+        sw.apply(model, "compile(pattern='layer9')")
+    model.layer2.compile(backend=EAGER)
+    with pytest.raises(ValueError, match=r"layer2 \(Block\) is already compiled in place"):
+        sw.apply(model, r"compile(pattern=r'layer\d')")
+    assert sw.records(model) == [] and _compiled_names(model) == ["layer2"]
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
