@@ -27,12 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import shrinkwrap as sw  # noqa: E402
 from run import HandAutocast, breaks, build, measure_same_run, ratio_table, same_run_main  # noqa: E402
 
+BERT_NOT_ATTENTION = r"r'bert\.encoder\.layer\.\d+\.(?:attention\.output|intermediate|output)'"
 STEM = r"checkpoint(r'conv1|bn1|relu|maxpool', chain=True)"  # torchvision ResNets' stem, one region
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
 PLANS: dict[str, dict[str, str]] = {
     "resnet18": {
         "sw_bf16_cl": r"channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_bf16_cl_budget0.7": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.7)",
+        "sw_bf16_cl_budget0.6": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bf16_cl_budget0.5": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
+        "sw_bf16_cl_budget0.4": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.4)",
+        "sw_stem_bf16_cl_budget0.6": STEM + r", channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
         "sw_stem_bf16_cl": STEM + r", channels_last(), autocast(torch.bfloat16), compile()",
         "sw_stem_ckpt_first_blocks_bf16_cl": STEM + r", checkpoint(r'layer\d\.0'), channels_last(), "
@@ -42,6 +47,7 @@ PLANS: dict[str, dict[str, str]] = {
     },
     "efficientnet_b0": {
         "sw_bn_act_bf16": r"bn_act(), autocast(torch.bfloat16), compile()",
+        "sw_bf16_budget0.5": r"autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_bn_act_bf16_cl": r"bn_act(), channels_last(), autocast(torch.bfloat16), compile()",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'features\.[1-7]\.\d+'), bn_act(), channels_last(), "
                                   r"autocast(torch.bfloat16), compile()",
@@ -54,6 +60,15 @@ PLANS: dict[str, dict[str, str]] = {
         "sw_bf16": r"autocast(torch.bfloat16), compile()",
         "sw_bf16_budget0.5": r"autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_ckpt_blocks_bf16": r"checkpoint(r'bert\.encoder\.layer\.\d+'), autocast(torch.bfloat16), compile()",
+        # The attention core alone (q, k, v projections, softmax, dropout): under compile its
+        # probabilities and dropout mask are what bert keeps most of.
+        "sw_ckpt_attn_bf16": r"checkpoint(r'bert\.encoder\.layer\.\d+\.attention\.self'), autocast(torch.bfloat16), "
+                             r"compile()",
+
+        # Regional: every part of the layer but the attention core compiled; the core stays eager,
+        # on the fused kernel that keeps neither the probabilities nor the dropout mask.
+        "sw_bf16_regional": r"autocast(torch.bfloat16), compile(pattern=" + BERT_NOT_ATTENTION + ")",
+        "sw_bf16_regional_cls": r"autocast(torch.bfloat16), compile(pattern=" + BERT_NOT_ATTENTION[:-1] + "|cls')",
     },
     "gpt2": {
         "sw_ckpt_blocks_bf16": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16, keep_output_dtype=True), "

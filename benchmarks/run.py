@@ -341,8 +341,20 @@ def ratio_table(rows: list[dict[str, Any]], refs: dict[str, str],
                 extra: dict[str, Callable[[dict[str, Any]], Any]]) -> str:
     """The same-run scripts' markdown table: activation and step time (median, fastest-slowest
     round), each with its ratio to every reference row (``refs``: column label -> configuration),
-    then the ``extra`` columns (label -> the cell of a row)."""
+    then the ``extra`` columns (label -> the cell of a row). Time ratios of rows timed in the same
+    rounds are paired (``shrinkwrap.autoplan.paired_ratio``: the median of the rounds' ratios,
+    what autoplan decides on), with their spread (+-, half the range of the rounds' ratios)."""
+    from shrinkwrap.autoplan import paired_ratio
+    from shrinkwrap.measure import Timing
+
     by = {r["config"]: r for r in rows if "error" not in r}
+
+    def time_ratio(r: dict[str, Any], ref: dict[str, Any]) -> str:
+        if r.get("step_ms_rounds") and ref.get("step_ms_rounds"):
+            ratio, spread = paired_ratio(Timing(tuple(ref["step_ms_rounds"])), Timing(tuple(r["step_ms_rounds"])))
+            return f"{ratio:.2f}" if r is ref else f"{ratio:.2f} +-{ratio * spread / 2:.2f}"
+        return f"{r['step_ms'] / ref['step_ms']:.2f}" if ref.get("step_ms") and r.get("step_ms") else "-"
+
     heads = [f"x {label}" for label in refs]
     lines = ["| " + " | ".join(["model", "configuration", "activation MiB", *heads, "step ms (rounds low-high)",
                                 *heads, *extra]) + " |", "|---" * (4 + 2 * len(refs) + len(extra)) + "|"]
@@ -356,7 +368,8 @@ def ratio_table(rows: list[dict[str, Any]], refs: dict[str, str],
                     for c in refs.values()]
 
         cells = [r["model"], r["config"], r["activation_mib"], *ratios("activation_mib"),
-                 f"{r.get('step_ms', '-')} ({r.get('step_ms_low')}-{r.get('step_ms_high')})", *ratios("step_ms"),
+                 f"{r.get('step_ms', '-')} ({r.get('step_ms_low')}-{r.get('step_ms_high')})",
+                 *(time_ratio(r, by[c]) if c in by else "-" for c in refs.values()),
                  *(cell(r) for cell in extra.values())]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -373,7 +386,7 @@ def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int 
         t = times.get(row["config"])
         if t is not None:
             row.update(step_ms=round(t.median, digits), step_ms_low=round(min(t.rounds_ms), digits),
-                       step_ms_high=round(max(t.rounds_ms), digits))
+                       step_ms_high=round(max(t.rounds_ms), digits), step_ms_rounds=[round(x, 3) for x in t.rounds_ms])
         row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                    **extra)
     return rows
