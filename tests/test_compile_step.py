@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 import shrinkwrap as sw
 from shrinkwrap.plan import PlanError
 
-from toymodels import net64
+from toymodels import net64, resnet64
 
 EAGER = "aot_eager"  # no C++ compiler needed; the same ops as eager
 MINCUT = "aot_eager_decomp_partition"  # min-cut partitioner, which honours the memory budget
@@ -235,9 +235,36 @@ def test_a_pattern_that_selects_nothing_or_a_module_compiled_by_hand_is_refused(
     with pytest.raises(sw.SelectionError, match="layer9"):
         sw.apply(model, "compile(pattern='layer9')")
     model.layer2.compile(backend=EAGER)
-    with pytest.raises(ValueError, match=r"layer2 \(Block\) is already compiled in place"):
+    with pytest.raises(ValueError, match=r"layer2 is already compiled in place .* would replace that"):
         sw.apply(model, r"compile(pattern=r'layer\d')")
     assert sw.records(model) == [] and _compiled_names(model) == ["layer2"]
+    root = net64()
+    root.compile(backend=EAGER)  # by hand, above the region: the region would be a graph in a graph
+    with pytest.raises(ValueError, match=r"Net is already compiled in place .* would compile layer1 \(Block\) inside it"):
+        sw.apply(root, "compile(pattern='layer1')")
+    assert sw.records(root) == [] and _compiled_names(root) == [""]
+
+
+def test_a_pattern_over_a_container_or_a_chain_member_is_refused():
+    container = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)]))
+    with pytest.raises(sw.SelectionError, match=r"1 \(ModuleList\) has no forward of its own .* e\.g\. r'1\\\.\\d\+'"):
+        sw.apply(container, "compile(pattern='1')")
+    model = resnet64()
+    sw.apply(model, "checkpoint('conv1|bn1|relu|maxpool', chain=True)")
+    with pytest.raises(ValueError, match=r"conv1 \(ChainMember\) is a member of a region over several sibling modules"):
+        sw.apply(model, "compile(backend='aot_eager', pattern='conv1|bn1')")
+    assert _compiled_names(model) == []
+    sw.apply(model, "compile(backend='aot_eager', pattern=r'layer\d')")  # beside the chain: fine
+    assert _compiled_names(model) == ["layer1", "layer2"]
+
+
+def test_revert_names_a_region_compiled_again_by_hand():
+    model = net64()
+    sw.apply(model, "compile(backend='aot_eager', pattern='layer1|layer2')")
+    model.layer2.compile(backend=EAGER)  # replaces the step's compiled call: no longer ours
+    with pytest.warns(UserWarning, match=r"layer2\._compiled_call_impl"):
+        sw.revert(model)
+    assert _compiled_names(model) == ["layer2"]
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -249,6 +276,7 @@ def test_a_pattern_that_selects_nothing_or_a_module_compiled_by_hand_is_refused(
     ({"mode": 3}, TypeError, "mode= a str or None; got int 3"),
     ({"fullgraph": None}, TypeError, "fullgraph= True or False; got None"),
     ({"backend": len}, TypeError, "backend= a backend's name"),
+    ({"mode": "layer1"}, ValueError, r"mode='layer1', which is no mode of inductor's .* compile\(pattern='layer1'\)"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):

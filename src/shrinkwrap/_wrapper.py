@@ -42,10 +42,13 @@ def _inner_load_post_hooks(wrapper: "TransparentWrapper", incompatible_keys: Any
 class TransparentWrapper(nn.Module):
     """Base class of shrinkwrap's wrappers. Subclasses define ``forward`` and ``label``, and set
     ``recomputes`` when what runs inside them is recomputed in backward rather than kept (the
-    measuring layer reads it: it counts such a region as one unit)."""
+    measuring layer reads it: it counts such a region as one unit), and ``spans_siblings`` when
+    a call runs more than the wrapped module (its siblings too): such a wrapper cannot be
+    compiled on its own, only with its parent."""
 
     label = "Wrapped"
     recomputes = False
+    spans_siblings = False
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):

@@ -288,6 +288,7 @@ class ChainMember(CheckpointModule):
     ``checkpoint(pattern, chain=True)``; names and ``state_dict`` are unchanged."""
 
     label = "CheckpointChain"
+    spans_siblings = True
 
     def __init__(self, module: nn.Module, chain: _Chain, *, name: str = "") -> None:
         super().__init__(module, name=name, clone_inputs=chain.clone)

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..select import Pattern, select, wrong
+from ..select import Pattern, SelectionError, select, wrong
 from ..step import Step, Targets, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
 _NO_BUDGET = ("eager", "aot_eager")
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch 2.x's; others asked of torch
 
 
 class _Budgeted:
@@ -74,14 +75,15 @@ class _Budgeted:
 class CompiledCall:
     """Undo entry: the compiled call :class:`Compile` set on a module (the root, or each region).
 
-    It holds the root module, so that a copy of the model (``copy.deepcopy``, ``torch.save``,
+    It holds that module, so that a copy of the model (``copy.deepcopy``, ``torch.save``,
     pickling), which PyTorch makes without the compiled call, is compiled again, with the same
     settings, as it is rebuilt.
     """
 
-    def __init__(self, step: "Compile", model: nn.Module) -> None:
+    def __init__(self, step: "Compile", model: nn.Module, name: str = "") -> None:
         self.step = step
         self.model = model
+        self.name = name  # the module's name in the model ("": the root), for revert's messages
         self.install()
 
     def install(self) -> None:
@@ -92,12 +94,12 @@ class CompiledCall:
     def undo(self, model: nn.Module) -> str | None:
         """Remove the compiled call, unless it is no longer ours: then it stays, and its name comes back."""
         if self.model.__dict__.get("_compiled_call_impl") is not self.call:
-            return "_compiled_call_impl"
+            return f"{self.name}._compiled_call_impl" if self.name else "_compiled_call_impl"
         del self.model.__dict__["_compiled_call_impl"]
         return None
 
     def __getstate__(self) -> dict:
-        return {"step": self.step, "model": self.model}
+        return {"step": self.step, "model": self.model, "name": self.name}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -157,6 +159,17 @@ class Compile(Step):
         ):
             if not isinstance(value, kinds):
                 raise TypeError(wrong("compile()", f"{field}= {what}", value))
+        # Every other step takes its pattern first: compile('layer1') would be a mode, which
+        # inductor refuses late and other backends ignore.
+        if self.mode is not None and self.backend == "inductor" and self.mode not in _MODES:
+            import torch._inductor
+
+            if self.mode not in torch._inductor.list_mode_options():
+                raise ValueError(
+                    f"shrinkwrap: compile() got mode={self.mode!r}, which is no mode of inductor's "
+                    f"({', '.join(torch._inductor.list_mode_options())}). To compile some modules only, "
+                    f"write compile(pattern={self.mode!r})."
+                )
         budget = self.memory_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -191,13 +204,30 @@ class Compile(Step):
         names = [""] if self.pattern is None else select(model, self.pattern, outermost=True)
         for name in names:
             module = model.get_submodule(name)
-            if module.__dict__.get("_compiled_call_impl") is not None:
+            what = f"{name or type(model).__name__} ({type(module).__name__})"
+            # The selected modules and those above them: compiling one inside a compiled module
+            # would compile it twice, one graph nested in the other.
+            above = ["", *(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1))] if name else []
+            compiled = [n for n in [*above, name] if model.get_submodule(n).__dict__.get("_compiled_call_impl") is not None]
+            if compiled:
                 raise ValueError(
-                    f"shrinkwrap: {self}: {name or type(model).__name__} ({type(module).__name__}) is "
-                    "already compiled in place (nn.Module.compile), and this step would replace that. "
-                    "Leave this step out, or apply it to the model before compiling it yourself."
+                    f"shrinkwrap: {self}: {compiled[0] or type(model).__name__} is already compiled in place "
+                    "(nn.Module.compile), and this step would "
+                    f"{'replace that' if compiled[0] == name else f'compile {what} inside it'}. Leave this "
+                    "step out, or apply it to the model before compiling it yourself."
+                )
+            if getattr(module, "spans_siblings", False):
+                raise ValueError(
+                    f"shrinkwrap: {self}: {what} is a member of a region over several sibling modules "
+                    "(a checkpoint chain), whose call runs its siblings too: it cannot be compiled "
+                    "alone. Select the modules' parent instead, or leave the members out of the pattern."
+                )
+            if name and type(module).forward is nn.Module.forward:
+                raise SelectionError(
+                    f"shrinkwrap: {self}: {what} has no forward of its own (it is never called), so "
+                    f"compiling it would compile nothing. Select the modules inside it, e.g. r'{name}\\.\\d+'."
                 )
         return Targets(names)
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
-        return [CompiledCall(self, model.get_submodule(name)) for name in targets.matched]
+        return [CompiledCall(self, model.get_submodule(name), name) for name in targets.matched]
