@@ -337,11 +337,14 @@ def test_the_notes_say_where_autoplans_own_time_went():
     assert "s measuring" in line and "s verifying" in line and report.notes[-1] == f"plan: {plan}"
 
 
-def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best():
-    step = "compile(backend='aot_eager')"  # the same ops as eager: no C++ compiler needed
+@pytest.mark.parametrize("step", [
+    "compile(backend='aot_eager')",  # the same ops as eager: no C++ compiler needed
+    r"compile(backend='aot_eager', pattern=r'1\.\d+')",  # regional: the blocks only
+])
+def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best(step):
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile=step, **FAST)
     compiled = [r for r in report.rows if r.role == "compiled"]
-    assert compiled and all(str(r.plan).endswith(step) and r.profile is not None for r in compiled)
+    assert compiled and all(str(r.plan).endswith(step) and r.profile is not None and r.profile.compiled for r in compiled)
     assert all(r.label.startswith("compiled: ") for r in compiled)
     tried = [r for r in report.rows if r.role in ("chosen", "compiled")]
     best = min(tried, key=lambda r: (report.value(r), r.profile.step_ms))
