@@ -52,11 +52,16 @@ MODELS: dict[str, tuple[Callable[[], Any], int, int, str]] = {
 
 def plans(blocks: str) -> dict[str, str]:
     ckpt = f"checkpoint(r'{blocks}')"
+    parts = f"checkpoint(r'{blocks}\\.(?:self_attn|attn|mlp)')"  # Llama's and GPT-2's names
     return {
         "bf16": "autocast(torch.bfloat16)",
         "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
+        # Attention and MLP as regions of their own: backward's working set is half a block (with
+        # offload, one block's backward set the Llama row's peak), at more held between passes.
+        "ckpt_parts_bf16_chunked": f"{parts}, chunked_loss(), autocast(torch.bfloat16)",
+        "ckpt_parts_bf16_chunked_offload": f"{parts}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
         "chunked_bf16_compiled": "chunked_loss(), autocast(torch.bfloat16), compile()",
         "chunked_bf16_compiled_budget0.5": "chunked_loss(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "chunked_bf16_compiled_budget0.8": "chunked_loss(), autocast(torch.bfloat16), compile(memory_budget=0.8)",
