@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import shrinkwrap as sw  # noqa: E402
 from run import HandAutocast, breaks, build, measure_same_run, ratio_table, same_run_main  # noqa: E402
 
-BERT_NOT_ATTENTION = r"r'bert\.encoder\.layer\.\d+\.(?:attention\.output|intermediate|output)'"
+BERT_NOT_ATTENTION = r"bert\.encoder\.layer\.\d+\.(?:attention\.output|intermediate|output)"
 STEM = r"checkpoint(r'conv1|bn1|relu|maxpool', chain=True)"  # torchvision ResNets' stem, one region
 # Per model: shrinkwrap plans that end in compile(); the anchors are fp32 eager and compile + bf16.
 PLANS: dict[str, dict[str, str]] = {
@@ -64,11 +64,10 @@ PLANS: dict[str, dict[str, str]] = {
         # probabilities and dropout mask are what bert keeps most of.
         "sw_ckpt_attn_bf16": r"checkpoint(r'bert\.encoder\.layer\.\d+\.attention\.self'), autocast(torch.bfloat16), "
                              r"compile()",
-
         # Regional: every part of the layer but the attention core compiled; the core stays eager,
         # on the fused kernel that keeps neither the probabilities nor the dropout mask.
-        "sw_bf16_regional": r"autocast(torch.bfloat16), compile(pattern=" + BERT_NOT_ATTENTION + ")",
-        "sw_bf16_regional_cls": r"autocast(torch.bfloat16), compile(pattern=" + BERT_NOT_ATTENTION[:-1] + "|cls')",
+        "sw_bf16_regional": f"autocast(torch.bfloat16), compile(pattern=r'{BERT_NOT_ATTENTION}')",
+        "sw_bf16_regional_cls": f"autocast(torch.bfloat16), compile(pattern=r'{BERT_NOT_ATTENTION}|cls')",
     },
     "gpt2": {
         "sw_ckpt_blocks_bf16": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16, keep_output_dtype=True), "

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..select import Pattern, SelectionError, select, wrong
-from ..step import Step, Targets, applied_steps
+from ..step import Step, Targets, _inside, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
 _NO_BUDGET = ("eager", "aot_eager")
@@ -202,13 +202,13 @@ class Compile(Step):
         if self in applied_steps(model):
             return Targets([], [("", "already compiled")])
         names = [""] if self.pattern is None else select(model, self.pattern, outermost=True)
+        by_hand = [n for n, m in model.named_modules() if m.__dict__.get("_compiled_call_impl") is not None]
         for name in names:
             module = model.get_submodule(name)
             what = f"{name or type(model).__name__} ({type(module).__name__})"
-            # The selected modules and those above them: compiling one inside a compiled module
-            # would compile it twice, one graph nested in the other.
-            above = ["", *(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1))] if name else []
-            compiled = [n for n in [*above, name] if model.get_submodule(n).__dict__.get("_compiled_call_impl") is not None]
+            # A selected module or one above it: compiling inside a compiled module would compile
+            # twice, one graph nested in the other.
+            compiled = [n for n in by_hand if _inside(name, n)]
             if compiled:
                 raise ValueError(
                     f"shrinkwrap: {self}: {compiled[0] or type(model).__name__} is already compiled in place "
