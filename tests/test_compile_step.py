@@ -300,3 +300,30 @@ def test_memory_budget_with_inductor_on_cuda():
     sw.apply(full, [sw.compile()])
     sw.apply(budgeted, [sw.compile(memory_budget=0.05)])
     assert saved(budgeted) < 0.75 * saved(full)
+
+
+def test_regional_compile_of_hugging_face_bert_trains_as_eager_in_float64():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, vocab_size=100)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    text = r"compile(backend='aot_eager', pattern=r'bert\.encoder\.layer\.\d+\.(?:attention\.output|intermediate|output)|cls')"
+
+    def train(plan):
+        torch.manual_seed(0)
+        model = transformers.BertForMaskedLM(config).double().train()
+        if plan:
+            sw.apply(model, plan)
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return model, [loss.detach(), *(p.grad for p in model.parameters())]
+
+    counters.clear()
+    compiled_model, compiled = train(text)
+    assert counters["aot_autograd"]["ok"] >= 1  # it did compile: the comparison is not eager with eager
+    assert len(_compiled_names(compiled_model)) == 7  # three parts of each layer, and the head
+    assert "bert.encoder.layer.0.attention.self" not in _compiled_names(compiled_model)
+    _, eager = train(None)
+    for t, u in zip(eager, compiled):
+        torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
