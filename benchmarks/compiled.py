@@ -48,12 +48,14 @@ PLANS: dict[str, dict[str, str]] = {
     "efficientnet_b0": {
         "sw_bn_act_bf16": r"bn_act(), autocast(torch.bfloat16), compile()",
         "sw_bf16_budget0.5": r"autocast(torch.bfloat16), compile(memory_budget=0.5)",
+        "sw_bf16_cl_budget0.5": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_bn_act_bf16_cl": r"bn_act(), channels_last(), autocast(torch.bfloat16), compile()",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'features\.[1-7]\.\d+'), bn_act(), channels_last(), "
                                   r"autocast(torch.bfloat16), compile()",
     },
     "resnet152": {
         "sw_bf16_cl": r"channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_bf16_cl_budget0.6": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
     },
     "bert": {
