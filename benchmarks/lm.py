@@ -59,6 +59,11 @@ def plans(blocks: str) -> dict[str, str]:
         "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
+        # The gated MLP's product keeping two tensors, not three (Llama-style models only): one
+        # block's recompute and backward working set set the offload row's peak.
+        "ckpt_swiglu_bf16_chunked": f"{ckpt}, swiglu(), chunked_loss(), autocast(torch.bfloat16)",
+        "ckpt_swiglu_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), swiglu(), chunked_loss(), "
+                                            "autocast(torch.bfloat16)",
         # Attention and MLP as regions of their own: backward's working set is half a block (with
         # offload, one block's backward set the Llama row's peak), at more held between passes.
         "ckpt_parts_bf16_chunked": f"{parts}, chunked_loss(), autocast(torch.bfloat16)",

@@ -1,0 +1,190 @@
+"""swiglu: a SiLU-gated MLP's product keeping two tensors for backward (transforms/swiglu.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from shrinkwrap.transforms.swiglu import _SwiGLUFunction
+
+tf = pytest.importorskip("transformers")
+
+F64 = torch.float64
+BLOCKS = r"model\.layers\.\d+"
+
+
+def _llama(**overrides) -> nn.Module:
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attention_dropout=0.1), **overrides})
+    return tf.LlamaForCausalLM(config).to(F64).train()
+
+
+def _batch() -> dict:
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids, labels=ids)
+
+
+def _run(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(7)  # attention dropout draws the same masks
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_bit_equal(ref: tuple, got: tuple) -> None:
+    assert torch.equal(ref[0], got[0])
+    assert list(ref[1]) == list(got[1])
+    for name in ref[1]:
+        assert torch.equal(ref[1][name], got[1][name]), name
+
+
+@pytest.mark.parametrize("plan", ["swiglu()", rf"checkpoint(r'{BLOCKS}'), swiglu()"])
+def test_llama_loss_and_gradients_bit_equal_in_float64(plan):
+    model, batch = _llama(), _batch()
+    ref = _run(copy.deepcopy(model), batch)
+    sw.apply(model, plan)
+    assert type(model.model.layers[0].mlp).__name__ == "MemoryEfficientSwiGLU"
+    _assert_bit_equal(ref, _run(model, batch))
+
+
+def test_bfloat16_autocast_bit_equal():
+    """The same ops in the same order: bit for bit in bfloat16 too (CPU autocast)."""
+    model, batch = _llama().float(), _batch()
+    plain = copy.deepcopy(model)
+    sw.apply(model, "swiglu()")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, got = _run(plain, batch), _run(model, batch)
+    _assert_bit_equal(ref, got)
+
+
+def test_saves_one_intermediate_tensor_fewer_per_mlp():
+    model, batch = _llama(attention_dropout=0.0), _batch()
+    plain = sw.saved_tensor_bytes(model, **batch)
+    sw.apply(model, "swiglu()")
+    tokens, width, layers = 2 * 12, model.config.intermediate_size, model.config.num_hidden_layers
+    assert plain - sw.saved_tensor_bytes(model, **batch) == layers * tokens * width * 8
+
+
+def test_gradient_of_gradient():
+    gate = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    up = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(_SwiGLUFunction.apply, (gate, up))
+    assert torch.autograd.gradgradcheck(_SwiGLUFunction.apply, (gate, up))
+
+
+@pytest.mark.parametrize("frozen", ["up_proj", "gate_proj", "both"])
+def test_frozen_projections(frozen):
+    """Only what needs a gradient gets one (LoRA-style training freezes projections)."""
+    model, batch = _llama(attention_dropout=0.0), _batch()
+    for layer in model.model.layers:
+        for part in (["up_proj", "gate_proj"] if frozen == "both" else [frozen]):
+            getattr(layer.mlp, part).requires_grad_(False)
+    ref = _run(copy.deepcopy(model), batch)
+    _assert_bit_equal(ref, _run(sw.apply(model, "swiglu()"), batch))
+
+
+def test_eval_and_no_grad_run_the_mlp_itself():
+    model, batch = _llama(), _batch()
+    sw.apply(model, "swiglu()")
+    mlp = model.model.layers[0].mlp
+    calls = []
+    mlp.wrapped.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        model(**batch)
+    model.eval()
+    model(**batch)
+    assert len(calls) == 2
+
+
+def test_names_text_revert_and_idempotence():
+    model = _llama()
+    keys = list(model.state_dict())
+    plan = sw.Plan.parse("swiglu()")
+    assert str(plan) == "swiglu()"
+    sw.apply(model, plan)
+    sw.apply(model, plan)
+    assert list(model.state_dict()) == keys
+    record = sw.records(model)[0]
+    assert record.matched == ("model.layers.0.mlp", "model.layers.1.mlp")
+    sw.revert(model)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_passes_over_what_is_not_a_silu_gated_mlp():
+    gelu = _llama(hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(sw.SelectionError, match="not SiLU"):
+        sw.apply(gelu, "swiglu()")
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    with pytest.raises(sw.SelectionError, match="no SiLU-gated MLP"):
+        sw.apply(gpt2, "swiglu()")
+    model = _llama()
+    model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    sw.apply(model, "swiglu()")
+    assert sw.records(model)[0].matched == ("model.layers.0.mlp",)
+    assert sw.records(model)[0].skipped == (("model.layers.1.mlp", "has hooks, which the wrapper would not run"),)
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.drop = nn.SiLU(), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.down_proj(self.drop(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def test_an_mlp_that_computes_more_is_left_alone():
+    model = nn.Sequential(_DropoutMLP()).eval()  # dropout would be skipped were it judged in eval
+    with pytest.raises(sw.SelectionError, match="dropout or more inside"):
+        sw.apply(model, "swiglu()")
+
+
+def test_traces_without_a_graph_break():
+    model, batch = _llama(attention_dropout=0.0), _batch()
+    ref = _run(copy.deepcopy(model), batch)
+    sw.apply(model, "swiglu(), compile(fullgraph=True, backend='aot_eager')")
+    torch._dynamo.reset()
+    loss, grads = _run(model, batch)
+    torch.testing.assert_close(loss, ref[0], rtol=1e-9, atol=1e-12)
+    for name, g in ref[1].items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-12)
+
+
+def test_autoplan_candidate_only_where_it_applies():
+    assert [str(c) for c in sw.autoplan.__globals__["candidates"](_llama()) if "swiglu" in str(c)] == ["swiglu()"]
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    assert not [c for c in sw.autoplan.__globals__["candidates"](gpt2) if "swiglu" in str(c)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mlp_peak_on_cuda():
+    """One bfloat16 MLP's forward and backward: the peak falls by two intermediate-size tensors
+    (one kept, one made in backward), within a tenth of one."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(hidden_size=1024, intermediate_size=4096)
+    mlp = tf.models.llama.modeling_llama.LlamaMLP(config).cuda().to(torch.bfloat16)
+    x = torch.randn(8, 1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    n = 8 * 1024 * 4096 * 2
+
+    def peak(module: nn.Module) -> int:
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        module(x).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    plain = peak(mlp)
+    fused = peak(sw.apply(nn.Sequential(mlp), "swiglu()"))
+    assert plain - fused >= 1.9 * n, (plain / n, fused / n)
