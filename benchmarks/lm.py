@@ -56,6 +56,7 @@ def plans(blocks: str) -> dict[str, str]:
     norms_mlp = f"{blocks}\\.(?:ln_1|ln_2|input_layernorm|post_attention_layernorm|mlp)"
     return {
         "bf16": "autocast(torch.bfloat16)",
+        "swiglu_bf16": "swiglu(), autocast(torch.bfloat16)",
         "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
