@@ -166,8 +166,9 @@ def test_autoplan_candidate_only_where_it_applies():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mlp_peak_on_cuda():
-    """One bfloat16 MLP's forward and backward: the peak falls by two intermediate-size tensors
-    (one kept, one made in backward), within a tenth of one."""
+    """One bfloat16 MLP's forward and backward: the peak (in backward: six intermediate-size
+    tensors alive, on an H100 6.1 of them with the weights' gradients) falls by one such tensor,
+    within a tenth of one."""
     torch.manual_seed(0)
     config = tf.LlamaConfig(hidden_size=1024, intermediate_size=4096)
     mlp = tf.models.llama.modeling_llama.LlamaMLP(config).cuda().to(torch.bfloat16)
@@ -187,4 +188,4 @@ def test_mlp_peak_on_cuda():
 
     plain = peak(mlp)
     fused = peak(sw.apply(nn.Sequential(mlp), "swiglu()"))
-    assert plain - fused >= 1.9 * n, (plain / n, fused / n)
+    assert plain - fused >= 0.9 * n, (plain / n, fused / n)

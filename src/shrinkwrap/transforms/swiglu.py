@@ -4,10 +4,11 @@ The MLP of Llama-style language models (Hugging Face's ``LlamaMLP``, ``MistralML
 and their kin) computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with ``act_fn`` SiLU.
 Autograd keeps, for that product, the gate, SiLU of it and the up projection: three tensors of
 tokens x intermediate size per layer (8192 x 8192 in bfloat16 is 128 MiB each at 4 x 2048 tokens
-of a 1B model), and its backward makes three more of that size at once. :class:`MemoryEfficientSwiGLU`
-runs the same ops through one autograd function that keeps the gate and the up projection only,
-recomputes SiLU in backward, and writes the gate's gradient over the tensor it is computed from:
-one tensor fewer kept, one fewer made in backward. The numbers are the same ops in the same order
+of a 1B model); at the peak of its backward six such tensors are alive (those three, the product's
+gradient, and mul's two gradients). :class:`MemoryEfficientSwiGLU` runs the same ops through one
+autograd function that keeps the gate and the up projection only, recomputes SiLU in backward, and
+writes the gate's gradient over the tensor it is computed from: one tensor fewer kept, and five
+alive at the backward's peak, not six. The numbers are the same ops in the same order
 (``silu``, ``mul``, ``silu_backward``): outputs and gradients equal the plain MLP's bit for bit.
 
 Where it matters most: inside a checkpoint region, a block's recompute and backward working set
@@ -132,8 +133,8 @@ class SwiGLU(Step):
             computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``; what is passed over, and why,
             is in ``shrinkwrap.records(model)``.
 
-    Saves one tokens x intermediate-size tensor per MLP from what backward keeps, and one more from
-    the MLP's backward working set; exact (bit for bit). ``candidates``: the step itself, where it
+    Saves one tokens x intermediate-size tensor per MLP from what backward keeps, and one from the
+    peak of the MLP's backward; exact (bit for bit). ``candidates``: the step itself, where it
     finds an MLP to wrap.
 
     Example::
