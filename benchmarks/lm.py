@@ -7,7 +7,8 @@ Models (random initialisation from a config, no downloads; labels = the inputs):
 
 - ``gpt2``: transformers' ``GPT2Config()`` (124M parameters, vocabulary 50257) at 8 x 1024 tokens;
 - ``llama128k``: a Llama-style model with a 128k vocabulary (hidden 2048, 16 layers, 32 heads,
-  8 KV heads, MLP 8192, vocabulary 128256, tied embeddings: Llama-3.2-1B's shape) at 4 x 2048.
+  8 KV heads, MLP 8192, vocabulary 128256, tied embeddings: Llama-3.2-1B's shape) at 4 x 2048;
+- ``llama128k_untied``: the same with its own head weight (transformers' default for Llama).
 
 Every configuration is a fresh module tree over the SAME parameter tensors (one copy of the weights
 on the GPU, whatever the number of rows). Memory: ``shrinkwrap.measure`` with AdamW, one
@@ -43,11 +44,20 @@ from run import HandAutocast, same_run_main, with_timings  # noqa: E402
 MODELS: dict[str, tuple[Callable[[], Any], int, int, str]] = {
     # name: (config factory, batch, sequence, the blocks' regex)
     "gpt2": (lambda: __import__("transformers").GPT2Config(), 8, 1024, r"transformer\.h\.\d+"),
-    "llama128k": (lambda: __import__("transformers").LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096,
-        rope_theta=500000.0), 4, 2048, r"model\.layers\.\d+"),
+    "llama128k": (lambda: _llama128k(tied=True), 4, 2048, r"model\.layers\.\d+"),
+    "llama128k_untied": (lambda: _llama128k(tied=False), 4, 2048, r"model\.layers\.\d+"),
 }
+
+
+def _llama128k(tied: bool) -> Any:
+    # Tied, autograd holds the head's float32 weight gradient from the first node of backward to
+    # the last (the embedding's), where the two are summed: a 1 GB term of the backward peak that
+    # no activation step can touch. Untied (transformers' default, and Llama-3-8B's), it goes
+    # to its own .grad at once.
+    return __import__("transformers").LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=tied, max_position_embeddings=4096,
+        rope_theta=500000.0)
 
 
 def plans(blocks: str) -> dict[str, str]:

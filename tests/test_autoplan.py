@@ -383,3 +383,29 @@ def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows
     assert str(search.final(rows).plan) == "checkpoint('b'), compile()"
     search.by_memory = False  # a budget to meet at the highest speed: the fastest within it
     assert str(search.final(rows).plan) == "checkpoint('a'), compile()"
+
+
+class Uncopyable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a handle that cannot be copied")
+
+
+@pytest.mark.parametrize("build, copied", [(mlp, True), (Uncopyable, False)])
+def test_rows_in_this_process_are_copies_of_one_model_the_factory_made_where_it_copies(build, copied):
+    built = []
+
+    def make():
+        built.append(1)
+        return build()
+
+    plan, report = sw.autoplan(make, BATCH, budget=0.45, **FAST)
+    assert len(report.rows) > 5
+    assert (len(built) == 1) if copied else (len(built) > 5)  # the probe only; else the probe and each row
+    assert report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])

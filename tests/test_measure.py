@@ -326,3 +326,38 @@ def test_restored_gives_gradients_back_without_holding_them_meanwhile():
     assert model.weight.dtype == torch.float32 and torch.equal(model.weight, weight)
     for p, g in zip(model.parameters(), grads):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, g)
+
+
+def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_closed():
+    from shrinkwrap.compare import FreshProcesses, measure_plans
+    from shrinkwrap.measure.step import Options
+
+    with FreshProcesses(mlp, ahead=True) as fresh:
+        report = measure_plans(mlp, [sw.Plan(), sw.Plan([sw.checkpoint("0")])], torch.randn(16, 32),
+                               Options(iterations=1, warmup=1, device="cpu"), isolate=True, processes=fresh)
+        waiting = fresh._next
+        assert waiting is not None and len(waiting._processes) == 1  # started after the last row, unused
+        process = next(iter(waiting._processes.values()))
+    assert fresh._next is None
+    process.join(timeout=30)
+    assert not process.is_alive()
+    assert report.isolation == "in subprocesses" and [r.status for r in report.rows] == ["ok", "ok"]
+    assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
+
+
+def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():
+    from shrinkwrap.measure.step import Options, measure_with
+
+    prof = measure_with(mlp(), torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu", module_log=False))
+    assert prof.saved == sw.saved_tensor_bytes(lambda: mlp().train()(torch.randn(16, 32)))
+    assert prof.timeline
+
+
+def test_a_row_built_to_be_thrown_away_is_not_restored():
+    from shrinkwrap.measure.step import Options, measure_with
+
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    measure_with(model, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"), restore=False)
+    assert all(p.grad is not None for p in model.parameters())
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # AdamW's steps stay

@@ -232,8 +232,10 @@ def needs_grad_scaler(model: nn.Module) -> bool:
 class Options:
     """How a configuration is measured: the loss (``output -> scalar``; by default
     :func:`default_loss`), the optimizer factory (``params -> Optimizer``; AdamW by default),
-    ``iterations`` timed after ``warmup``, the device (CUDA when present by default) and whether
-    to use a GradScaler (by default when a float16 autocast step was applied)."""
+    ``iterations`` timed after ``warmup``, the device (CUDA when present by default), whether
+    to use a GradScaler (by default when a float16 autocast step was applied), and whether to run
+    the extra iteration that logs memory per module (``module_log``; without CUDA it runs anyway,
+    since it also counts the bytes saved for backward, the figure there)."""
 
     loss_fn: LossFn | None = None
     optimizer: OptimizerFactory | None = None
@@ -241,6 +243,7 @@ class Options:
     warmup: int = 2
     device: str | torch.device | None = None
     grad_scaler: bool | None = None
+    module_log: bool = True
 
     def __post_init__(self) -> None:
         if self.iterations < 1 or self.warmup < 1:
@@ -430,14 +433,16 @@ def measure(
     return measure_with(require_module(model, "measure()"), batch, options, snapshot)
 
 
-def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None) -> Profile:
+def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None,
+                 restore: bool = True) -> Profile:
     """:func:`measure` with the options in one object. Under a process group every rank must call
     it (the iterations run collectives); each gets every rank's profile in ``ranks``, and a
-    snapshot path gets the rank in its name (``memory.rank1.pickle``)."""
+    snapshot path gets the rank in its name (``memory.rank1.pickle``). ``restore=False`` leaves
+    the model as the iterations left it (a model built for the row and thrown away after it)."""
     where = rank_and_world()
     if snapshot and where:
         snapshot = numbered(snapshot, f"rank{where[0]}")
-    with restored(model):
+    with restored(model) if restore else contextlib.nullcontext():
         profile = _measure(model, batch, options, snapshot)
     if where:
         profile.rank = where[0]
@@ -488,7 +493,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
 
     saved: SavedTensors | None = None
     log = ModuleLog(model, lambda: 0)
-    if not (compiled and cuda):
+    if not (compiled and cuda) and (options.module_log or not cuda or snapshot):
         saved = SavedTensors()
         log.probe = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: saved.live)
         with saved, log, _memory_history(snapshot):

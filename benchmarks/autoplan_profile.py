@@ -1,0 +1,46 @@
+"""Where autoplan's own seconds go: one ``sw.autoplan`` call under cProfile.
+
+    python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile]
+
+A diagnosis, not a benchmark: prints autoplan's notes on its own time, then the functions with
+the most cumulative time (building models, measuring iterations, emptying caches, subprocesses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from run import MODELS, _load, build  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--slowdown", type=float, default=1.0)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    _, batch = _load(args.model, MODELS[args.model][1])
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    plan, report = sw.autoplan(functools.partial(build, args.model), batch, max_slowdown=args.slowdown,
+                               allow_lossy=True, device="cuda", compile=args.compile)
+    profiler.disable()
+    print(f"{args.model}: {plan} in {time.perf_counter() - started:.1f} s")
+    print("\n".join(n for n in report.notes if "own time" in n or n.startswith("plan")))
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
