@@ -409,3 +409,52 @@ def test_rows_in_this_process_are_copies_of_one_model_the_factory_made_where_it_
     assert len(report.rows) > 5
     assert (len(built) == 1) if copied else (len(built) > 5)  # the probe only; else the probe and each row
     assert report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])
+
+
+@pytest.mark.parametrize("budget", [0.45, 16])
+def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_measured_fresh(budget, monkeypatch):
+    import sys
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+
+    measured = []
+    real = ap.measure_plans
+
+    def recording(make, plans, batch, options, *, isolate, **kw):
+        measured.extend((str(p), isolate) for p in plans)
+        return real(make, plans, batch, options, isolate=False, **kw)  # no CUDA here: rows as if
+
+    class OnCuda(ap._Rows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.cuda = True
+
+    monkeypatch.setattr(ap, "measure_plans", recording)
+    monkeypatch.setattr(ap, "_Rows", OnCuda)
+    plan, report = sw.autoplan(mlp, BATCH, budget=budget, rounds=3, **FAST)
+    chosen = [str(r.plan) for r in report.rows if r.role == "chosen"]
+    fresh = [text for text, isolate in measured if isolate]
+    assert all((text, False) in measured for text in chosen)  # every chosen plan first in this process
+    if budget == 16:   # 16 bytes: none fits, none goes to a fresh process
+        assert fresh == [""]
+    else:
+        assert fresh == ["", str(plan)] and report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])
+
+
+def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_meanwhile():
+    import gc
+
+    during = []
+
+    def loss(out):
+        during.append(gc.get_freeze_count())
+        return out.mean()
+
+    sw.autoplan(mlp, BATCH, budget=0.45, loss_fn=loss, **FAST)
+    assert min(during) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze is left as it is
+    try:
+        sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
+        assert gc.get_freeze_count() > 0  # not unfrozen by autoplan
+    finally:
+        gc.unfreeze()
