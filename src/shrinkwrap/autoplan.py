@@ -230,10 +230,10 @@ def _gc_frozen() -> Iterator[None]:
     (``gc.freeze``): every row empties the CUDA cache after a full collection, in case cycles
     hold tensors, and in a process that has imported transformers a full collection took 0.3 s
     on an H100 machine, 18 of the 40 s bert's candidates took. What a row leaves behind is made
-    after the start, so it is still collected. Left alone where the caller froze objects itself."""
-    if gc.get_freeze_count():
-        yield
-        return
+    after the start, so it is still collected. Everything frozen is unfrozen at the end, what the
+    caller may have frozen before too (Python 3.12 starts with objects frozen): back in the oldest
+    generation, collected as usual; only a process that froze objects to keep memory pages shared
+    with its forks would notice."""
     gc.freeze()
     try:
         yield
