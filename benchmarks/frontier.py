@@ -1,6 +1,7 @@
 """autoplan's plans beside the suite's anchors and hand recipes, every row in one process.
 
     python benchmarks/frontier.py --model resnet18 [--rounds 5] [--json out.json]
+    python benchmarks/frontier.py --model resnet152 --configs base_fp32,answer --plan "answer=autocast(torch.bfloat16)"
 
 First ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``; with
 ``--configs``, only those of the two it names),
@@ -17,6 +18,7 @@ each autoplan row, the rows that dominate it.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 import time
@@ -33,6 +35,7 @@ from run import (ANCHORS, MODELS, _load, breaks, build, measure_same_run, ratio_
                  same_run_main)
 
 SLOWDOWNS = {"auto_fast": 1.0, "auto_small": 1.5}
+PLANS: dict[str, str] = {}  # --plan NAME=TEXT: more rows, such as an answer autoplan gave in an earlier call
 
 
 def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -61,7 +64,7 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
                         "candidates": sum(r.role == "candidate" for r in report.rows), "notes": report.notes}
         print(f"{config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
-    texts = {**recipes(model_name), **{k: v["plan"] for k, v in auto.items()}}
+    texts = {**recipes(model_name), **PLANS, **{k: v["plan"] for k, v in auto.items()}}
     makers: dict[str, Callable[[], nn.Module]] = {
         name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks), name)
         for name in ANCHORS if name != "compile_budget0.5"}
@@ -85,4 +88,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--plan", action="append", default=[], help="NAME=TEXT: one more row, this plan")
+    known, sys.argv[1:] = extra.parse_known_args()
+    PLANS.update(p.split("=", 1) for p in known.plan)
     same_run_main(__doc__, list(MODELS), run, table, rounds=5)
