@@ -332,11 +332,12 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     from shrinkwrap.compare import FreshProcesses, measure_plans
     from shrinkwrap.measure.step import Options
 
-    with FreshProcesses(mlp, ahead=True) as fresh:
+    with FreshProcesses(mlp) as fresh:
         report = measure_plans(mlp, [sw.Plan(), sw.Plan([sw.checkpoint("0")])], torch.randn(16, 32),
                                Options(iterations=1, warmup=1, device="cpu"), isolate=True, processes=fresh)
+        fresh.start_next()
         waiting = fresh._next
-        assert waiting is not None and len(waiting._processes) == 1  # started after the last row, unused
+        assert waiting is not None and len(waiting._processes) == 1  # started ahead, unused
         process = next(iter(waiting._processes.values()))
     assert fresh._next is None
     process.join(timeout=30)

@@ -198,14 +198,14 @@ class _Rows:
 
     Rows in this process are built from copies of one model the factory made (on an H100,
     building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
-    the per-module log; isolated rows run in fresh processes, each started while this process
-    measures the rows before it (see :class:`FreshProcesses`)."""
+    the per-module log; isolated rows run in fresh processes, the chosen plan's started while
+    this process measures the candidates (see :class:`FreshProcesses`)."""
 
     def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
                  cache: dict) -> None:
         self.make, self.batch, self.options, self.cuda, self.cache = make, batch, options, cuda, cache
         self.local = _copies_of(make, model)
-        self.fresh = FreshProcesses(make, ahead=True)
+        self.fresh = FreshProcesses(make)
 
     def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
         isolate = isolate and self.cuda  # a subprocess buys nothing without CUDA
@@ -520,6 +520,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
     # each in a fresh process on CUDA.
     base = rows([Plan()], True)[0]
+    rows.fresh.start_next()  # for the chosen plan, while the candidates are measured
     if base.profile is None:
         raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
     report = Report([base], str(dev), device_name(dev), torch.__version__,

@@ -126,37 +126,34 @@ def _ready(make: Callable[[], nn.Module] | None) -> None:
 
 
 class FreshProcesses:
-    """Where isolated rows run: a new spawned process for each row. With ``ahead``, the process
-    for the next row is started as soon as a row is done, so that its start (imports and the CUDA
-    context: 15 of the 20 s an isolated bert row took on an H100) overlaps what this process does
-    meanwhile; it is still fresh (it has measured nothing) when its row comes. The one started and
-    never used is stopped by :meth:`close`.
+    """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
+    next row's process now, so that its start (imports and the CUDA context: 15 of the 20 s an
+    isolated bert row took on an H100) overlaps what this process does until that row comes; it is
+    still fresh (it has measured nothing) then. One started and never used is stopped by
+    :meth:`close`.
 
     Example::
 
-        >>> with FreshProcesses(make, ahead=True) as fresh:
+        >>> with FreshProcesses(make) as fresh:
+        ...     fresh.start_next()
         ...     measure_plans(make, [Plan()], batch, isolate=True, processes=fresh)
     """
 
-    def __init__(self, make: Callable[[], nn.Module] | None = None, ahead: bool = False) -> None:
+    def __init__(self, make: Callable[[], nn.Module] | None = None) -> None:
         # A copied instance would travel twice (torch.save bytes): only the CUDA start goes ahead.
         self.make = None if isinstance(make, _Copies) else make
-        self.ahead = ahead
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
 
-    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
-        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        pool.submit(_ready, self.make)
-        return pool
+    def start_next(self) -> None:
+        if self._next is None:
+            self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._next.submit(_ready, self.make)
 
     def row(self, args: tuple) -> tuple[Profile | tuple[str, str], tuple, tuple]:
-        pool, self._next = self._next or self._start(), None
-        try:
-            with pool:
-                return pool.submit(_row, *args).result()
-        finally:
-            if self.ahead:
-                self._next = self._start()
+        self.start_next()
+        pool, self._next = self._next, None
+        with pool:
+            return pool.submit(_row, *args).result()
 
     def close(self) -> None:
         if self._next is not None:
