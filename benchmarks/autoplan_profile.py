@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
 from run import MODELS, _load, build  # noqa: E402
+from shrinkwrap.compare import measure_plans  # noqa: E402
 
 
 def main() -> None:
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--check-baseline", action="store_true",
+                        help="after autoplan, the baseline again in a fresh process, beside autoplan's")
     args = parser.parse_args()
     _, batch = _load(args.model, MODELS[args.model][1])
     profiler = cProfile.Profile()
@@ -39,7 +42,13 @@ def main() -> None:
     profiler.disable()
     print(f"{args.model}: {plan} in {time.perf_counter() - started:.1f} s")
     print("\n".join(n for n in report.notes if "own time" in n or n.startswith("plan")))
+    print(f"rows measured {report.isolation}")
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+    if args.check_baseline:  # is a first row in this process what a fresh process sees?
+        fresh = measure_plans(functools.partial(build, args.model), [sw.Plan()], batch, isolate=True,
+                              options=sw.Options(device="cuda")).rows[0]
+        for where, row in (("autoplan's", report.rows[0]), ("fresh process", fresh)):
+            print(f"baseline, {where}: {report.value(row) / 2**20:.1f} MiB, {row.profile.step_ms:.1f} ms")
 
 
 if __name__ == "__main__":

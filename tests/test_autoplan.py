@@ -412,7 +412,9 @@ def test_rows_in_this_process_are_copies_of_one_model_the_factory_made_where_it_
 
 
 @pytest.mark.parametrize("budget", [0.45, 16])
-def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_measured_fresh(budget, monkeypatch):
+@pytest.mark.parametrize("cuda_started", [True, False])
+def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_measured_fresh(budget, cuda_started,
+                                                                                          monkeypatch):
     import sys
 
     ap = sys.modules["shrinkwrap.autoplan"]
@@ -429,16 +431,23 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
             super().__init__(*args)
             self.cuda = True
 
+        def untouched(self):  # CUDA starts with the first row measured in this process
+            return not cuda_started and not measured
+
     monkeypatch.setattr(ap, "measure_plans", recording)
     monkeypatch.setattr(ap, "_Rows", OnCuda)
     plan, report = sw.autoplan(mlp, BATCH, budget=budget, rounds=3, **FAST)
     chosen = [str(r.plan) for r in report.rows if r.role == "chosen"]
     fresh = [text for text, isolate in measured if isolate]
     assert all((text, False) in measured for text in chosen)  # every chosen plan first in this process
+    # Where CUDA had not started, the baseline is this process's first row, as a fresh process's.
+    assert measured[0] == ("", cuda_started) and measured.count(("", False)) == 1
+    assert ("baseline first in this process" in report.isolation) is not cuda_started
+    baseline = [""] if cuda_started else []
     if budget == 16:   # 16 bytes: none fits, none goes to a fresh process
-        assert fresh == [""]
+        assert fresh == baseline
     else:
-        assert fresh == ["", str(plan)] and report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])
+        assert fresh == baseline + [str(plan)] and report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])
 
 
 def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_meanwhile():
@@ -460,3 +469,40 @@ def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_mean
         after = gc.get_freeze_count()
         gc.unfreeze()
     assert after == 0
+
+
+FIRST_ROW = '''
+import sys
+import torch
+import shrinkwrap as sw
+from shrinkwrap.compare import measure_plans
+from shrinkwrap.models import tiny_efficientnet
+
+
+def make():
+    torch.manual_seed(0)
+    return tiny_efficientnet().cuda()  # CUDA starts here: the probe is moved off
+
+
+if __name__ == "__main__":
+    batch = torch.randn(64, 3, 32, 32)
+    plan, report = sw.autoplan(make, batch, budget=0.5, iterations=2, warmup=1)
+    fresh = measure_plans(make, [sw.Plan()], batch, sw.Options(device="cuda"), isolate=True).rows[0]
+    print(report.isolation)
+    print(report.value(report.rows[0]), report.value(fresh))
+'''
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_baseline_measured_first_with_nothing_on_the_gpu_reads_as_a_fresh_process(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_row.py"
+    script.write_text(FIRST_ROW)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    isolation, values = done.stdout.strip().splitlines()[-2:]
+    here, fresh = map(int, values.split())
+    assert "baseline first in this process" in isolation
+    assert abs(here - fresh) <= 0.02 * fresh
