@@ -346,6 +346,26 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
 
+def test_a_process_started_ahead_builds_the_model_once_on_the_meta_device_for_its_imports():
+    from shrinkwrap.compare import _ready
+
+    built = []
+
+    def make():
+        model = mlp()
+        built.append(next(model.parameters()).device.type)
+        return model
+
+    def on_the_gpu():
+        return mlp().to("cuda")  # copies data, which a meta tensor has none of
+
+    _ready(make)
+    _ready(on_the_gpu)  # fails quietly: only a head start
+    _ready(None)
+    assert built == ["meta"]
+    assert torch.empty(1).device.type == "cpu"  # the meta device was only the factory's
+
+
 def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():
     from shrinkwrap.measure.step import Options, measure_with
 
