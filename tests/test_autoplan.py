@@ -352,6 +352,24 @@ def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best(step):
     assert not [r for r in sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)[1].rows if r.role == "compiled"]
 
 
+def test_the_compile_stage_also_leaves_the_recompute_to_the_partitioners_memory_budget():
+    step = "compile(backend='aot_eager_decomp_partition')"  # the min-cut partitioner, no C++ compiler
+    cache: dict = {}
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile=step, cache=cache, **FAST)
+    compiled = [r.plan for r in report.rows if r.role == "compiled"]
+    (budgeted,) = [p for p in compiled if p.steps[-1].memory_budget is not None]
+    verified = compiled[0].steps[:-1]  # the verified plan, compiled first
+    assert any(s.recomputes for s in verified)  # checkpoint and swish, on this model
+    assert list(budgeted.steps[:-1]) == [s for s in verified if not s.recomputes]
+    assert budgeted.steps[-1].memory_budget == 0.6 and budgeted.steps[-1].backend == "aot_eager_decomp_partition"
+    assert all(r.profile is not None for r in report.rows if r.role == "compiled")
+    for given in ["compile(backend='aot_eager')", "compile(backend='aot_eager_decomp_partition', memory_budget=0.8)"]:
+        # no partitioner to give a budget to, or the user's own budget: no budgeted row
+        _, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile=given, cache=cache, **FAST)
+        assert [r.plan.steps[-1].memory_budget for r in report.rows if r.role == "compiled"] == [
+            None if "aot_eager'" in given else 0.8] * len([r for r in report.rows if r.role == "compiled"])
+
+
 def test_a_plan_that_fails_to_compile_is_a_row_and_the_eager_plan_stands():
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile="compile(backend='no_such_backend')", **FAST)
     (failed,) = [r for r in report.rows if r.role == "compiled"]

@@ -80,7 +80,10 @@ class Step:
     Class attributes: ``lossy`` marks steps that change the numbers (precision); ``order`` is
     where autoplan puts the step in a plan (lower first); ``last`` marks a step that goes last
     (compile): a plan with a step after it is refused, and so is any other step on a model that
-    already has it.
+    already has it; ``recomputes`` marks steps that save memory by recomputing in backward what
+    autograd would keep (checkpoint, swish, bn_act, swiglu): under ``compile(memory_budget=...)``
+    the compiler's partitioner chooses that recompute itself, so autoplan tries the plan without
+    them there.
 
     Example (a complete step)::
 
@@ -97,6 +100,7 @@ class Step:
     lossy: ClassVar[bool] = False
     order: ClassVar[int] = 50
     last: ClassVar[bool] = False
+    recomputes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -235,6 +235,7 @@ class Swish(_WholeModelStep):
 
     name = "swish"
     order = 20
+    recomputes = True
 
     include_silu: bool = False
 
@@ -474,6 +475,7 @@ class BnAct(_WholeModelStep):
 
     name = "bn_act"
     order = 30
+    recomputes = True
 
     def targets(self, model: nn.Module) -> Targets:
         """Matched: the BatchNorms to fuse and those already fused; payload: bn name -> (act name

@@ -411,6 +411,7 @@ class Checkpoint(Step):
 
     name = "checkpoint"
     order = 10
+    recomputes = True
 
     pattern: Pattern
     clone_inputs: bool = False

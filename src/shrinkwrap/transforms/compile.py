@@ -37,6 +37,7 @@ from ..step import Step, Targets, _inside, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
 _NO_BUDGET = ("eager", "aot_eager")
+PARTITIONING = ("inductor", "aot_eager_decomp_partition")  # backends known to take the memory budget
 _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch 2.x's; others asked of torch
 
 
@@ -179,8 +180,8 @@ class Compile(Step):
             if self.backend in _NO_BUDGET:
                 raise ValueError(
                     f"shrinkwrap: compile(backend={self.backend!r}) does not partition by memory budget, so "
-                    f"memory_budget={budget!r} would do nothing. Use backend 'inductor' (or "
-                    "'aot_eager_decomp_partition'), or leave memory_budget out."
+                    f"memory_budget={budget!r} would do nothing. Use backend {' or '.join(map(repr, PARTITIONING))}, "
+                    "or leave memory_budget out."
                 )
             object.__setattr__(self, "memory_budget", float(budget))  # 1 and 1.0 are one step
 

@@ -144,6 +144,7 @@ class SwiGLU(Step):
 
     name = "swiglu"
     order = 25
+    recomputes = True
 
     pattern: Pattern | None = None
 
