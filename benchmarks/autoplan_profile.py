@@ -1,6 +1,6 @@
 """Where autoplan's own seconds go: one ``sw.autoplan`` call under cProfile.
 
-    python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile]
+    python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile] [--check-baseline]
 
 A diagnosis, not a benchmark: prints autoplan's notes on its own time, then the functions with
 the most cumulative time (building models, measuring iterations, emptying caches, subprocesses).
