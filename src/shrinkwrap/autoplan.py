@@ -19,6 +19,8 @@ impact" — done for the user, in stages, each a function below:
    baseline too, unless it was measured first in this process with nothing else on the GPU); where
    it misses the budget or the slowdown limit (savings and costs do not add exactly) it is
    refined — one more candidate, or the costliest dropped, base steps last — and measured again.
+   Without a budget, a plan within the time limit is grown from its own measured time while
+   rounds are left (a candidate's single row can overstate its cost).
 5. With ``compile``, the verified plan and the smallest set measured are measured again with
    ``compile()`` as their last step, in this process, and the verified plan without its recompute
    steps with ``compile(memory_budget=0.6)``, where the compiler's partitioner chooses what to
@@ -368,10 +370,14 @@ class _Search:
         """Stage 4: measure the chosen plan, in this process and, where it fits there, in a fresh
         one; refine where it misses — over the time limit, drop the costliest (what was measured on
         top of the base first: the base is what those measurements assume); over budget, add the
-        next candidate. What was dropped is not added back, so rounds cannot swing between two
-        plans."""
+        next candidate. Without a budget (the least memory within the time limit), a plan that fits
+        is grown while rounds are left: the smallest set of what is left, predicted from the plan's
+        own measured time, is added, since the candidates' single rows may have overstated their
+        cost; the smallest plan that fitted is then the one measured fresh. What was dropped is not
+        added back, so rounds cannot swing between two plans."""
         tried: list[Row] = []
         dropped: list[Effect] = []
+        grow = self.target is None and not self.by_memory and self.max_t is not None
         for r in range(rounds):
             plan = _plan([e.candidate for e in chosen], self.model)
             if progress:
@@ -379,9 +385,16 @@ class _Search:
             # Refined in this process (seconds: a copy of the model), answered from a fresh one (on
             # an H100, 12 s a resnet152 row, most of it the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
+            row.role, row.round = "chosen", r + 1
+            nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), row.profile.step_ms) \
+                if grow and self.fits(row) and r + 1 < rounds else []
+            if nxt:
+                tried.append(row)
+                chosen += nxt
+                continue
             if self.fits(row) or self.by_memory:
                 row = self.measure_chosen(plan)
-            row.role, row.round = "chosen", r + 1
+                row.role, row.round = "chosen", r + 1
             tried.append(row)
             if self.fits(row) or self.by_memory:
                 break
@@ -392,15 +405,32 @@ class _Search:
                 dropped.append(worst)
                 continue
             # Over budget: the best set of what is left that covers nothing chosen, from the verified figures.
-            rest = [e for e in effects if e not in chosen and e not in dropped
-                    and not any(e.candidate.overlaps(c.candidate) for c in chosen)]
             mem = self.metric(row) if row.profile else self.base_mem
-            nxt = self.search(rest, mem, row.profile.step_ms if row.profile else self.base_t,
+            nxt = self.search(self._rest(effects, chosen, dropped), mem,
+                              row.profile.step_ms if row.profile else self.base_t,
                               None if self.by_memory else self.target)
             if not nxt:
                 break
             chosen += nxt
-        return tried
+        return self._fresh_answer(tried)
+
+    @staticmethod
+    def _rest(effects: list[Effect], chosen: list[Effect], dropped: list[Effect]) -> list[Effect]:
+        """The candidates not chosen, not dropped, and covering nothing chosen."""
+        return [e for e in effects if e not in chosen and e not in dropped
+                and not any(e.candidate.overlaps(c.candidate) for c in chosen)]
+
+    def _fresh_answer(self, tried: list[Row]) -> list[Row]:
+        """``tried`` with the answer's figures from a fresh process: a grown plan that fitted,
+        followed by a larger one that did not, was measured in this process only (measured fresh
+        now); one measured again after a drop has both rows (the fresh one kept)."""
+        best = self.final(tried)
+        if not self.rows.cuda or not self.fits(best):
+            return tried
+        fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
+        fresh.role, fresh.round = "chosen", best.round
+        last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
+        return [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
 
     def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
                  progress: Progress | None = None) -> list[Row]:
