@@ -346,24 +346,22 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
 
-def test_a_process_started_ahead_builds_the_model_once_on_the_meta_device_for_its_imports():
+def test_a_process_started_ahead_imports_the_modules_of_the_models_classes_and_never_calls_the_factory(
+        tmp_path, monkeypatch):
+    import sys
+
     from shrinkwrap.compare import _ready
 
+    (tmp_path / "shrinkwrap_test_models_xyz.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     built = []
-
-    def make():
-        model = mlp()
-        built.append(next(model.parameters()).device.type)
-        return model
-
-    def on_the_gpu():
-        return mlp().to("cuda")  # copies data, which a meta tensor has none of
-
-    _ready(make)
-    _ready(on_the_gpu)  # fails quietly: only a head start
-    _ready(None)
-    assert built == ["meta"]
-    assert torch.empty(1).device.type == "cpu"  # the meta device was only the factory's
+    assert "shrinkwrap_test_models_xyz" not in sys.modules
+    try:
+        _ready(lambda: built.append(1), ["shrinkwrap_test_models_xyz", "no_such_module_xyz"])
+        assert sys.modules["shrinkwrap_test_models_xyz"].LOADED  # imported; the missing one is passed over
+    finally:
+        sys.modules.pop("shrinkwrap_test_models_xyz", None)
+    assert built == []  # a factory may cache what it builds, or act: only the row calls it
 
 
 def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():

@@ -212,28 +212,37 @@ class _Rows:
                  cache: dict) -> None:
         self.make, self.batch, self.options, self.cuda, self.cache = make, batch, options, cuda, cache
         self.local = _copies_of(make, model)
-        self.fresh = FreshProcesses(make)
-        self.first_here: str | None = None  # the isolated row measured in this process, if one was
+        # The model to read names from: the copy kept on the CPU, where there is one, so that the
+        # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
+        # out one shared model).
+        self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
+        self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
+        self.measured_here = False  # whether a row has run in this process
+        self.first_here = False  # whether the isolated baseline was measured in this process
 
     def untouched(self) -> bool:
         """Whether nothing of this process is on the GPU: CUDA not started, or nothing allocated
-        (a factory that builds on the GPU starts CUDA; its model, the probe, is moved off). A
-        process that has run a matmul holds cuBLAS workspaces, and a caller's tensors count too."""
+        (a factory that builds on the GPU starts CUDA; the copies are on the CPU and its model
+        is let go). A process that has run a matmul holds cuBLAS workspaces, and a caller's
+        tensors count too."""
         if not self.cuda or not torch.cuda.is_initialized():
             return self.cuda
+        if torch.cuda.memory_allocated(self.options.device):
+            gc.collect()  # a model in a reference cycle waits for the collector
         return torch.cuda.memory_allocated(self.options.device) == 0
 
     def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
         isolate = isolate and self.cuda  # a subprocess buys nothing without CUDA
         todo = [p for p in plans if (str(p), isolate) not in self.cache]
-        if todo and isolate and self.untouched():
-            # Nothing of this process is on the GPU: its first row sees what a fresh process would
-            # (every byte of its peak its own), without the 12-20 s a process takes to start (bert
-            # on an H100). The row serves both keys.
-            row = measure_plans(self.local, todo[:1], self.batch, self.options, isolate=False, keep_going=True).rows[0]
-            self.cache[str(todo[0]), True] = self.cache[str(todo[0]), False] = row
-            self.first_here = str(todo[0])
-            todo = todo[1:]
+        empty = next((p for p in todo if not p.steps), None)
+        if isolate and empty is not None and not self.measured_here and self.untouched():
+            # The baseline, before any row in this process and with nothing of it on the GPU: it
+            # sees what a fresh process would (every byte of its peak its own), without the 12-20
+            # s a process takes to start (bert on an H100). The row serves both keys.
+            row = measure_plans(self.local, [empty], self.batch, self.options, isolate=False, keep_going=True).rows[0]
+            self.cache[str(empty), True] = self.cache[str(empty), False] = row
+            self.measured_here = self.first_here = True
+            todo.remove(empty)
         if todo:
             if isolate:
                 rows = measure_plans(self.make, todo, self.batch, self.options, isolate=True, keep_going=True,
@@ -241,6 +250,7 @@ class _Rows:
             else:
                 options = dataclasses.replace(self.options, module_log=False)
                 rows = measure_plans(self.local, todo, self.batch, options, isolate=False, keep_going=True).rows
+                self.measured_here = True
             self.cache.update({(str(p), isolate): row for p, row in zip(todo, rows)})
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
@@ -269,7 +279,7 @@ def _isolation(rows: _Rows, isolate_candidates: bool) -> str:
     """Where the report's rows were measured, for its header."""
     if not rows.cuda:
         return "in this process"
-    here = rows.first_here is not None
+    here = rows.first_here
     baseline = "the baseline first in this process, with nothing else on the GPU" if here else ""
     if isolate_candidates:
         return f"in subprocesses, {baseline}" if here else "in subprocesses"
@@ -471,7 +481,8 @@ class _Search:
 def _budgeted(plan: Plan, step: Plan) -> Plan | None:
     """``plan`` without the steps that recompute (checkpoint, swish, bn_act, swiglu), compiled with
     the partitioner's memory budget, which then chooses the recompute itself; ``None`` where the
-    compile step sets a budget already or its backend is not known to partition by one.
+    compile step sets a budget already, its backend is not known to partition by one, or it
+    compiles some modules only (``pattern``: outside them nothing would recompute).
 
     On an H100 (torch 2.11, 2026-11-24) ``autocast(bf16), compile(memory_budget=0.6)`` kept 1830
     MiB of efficientnet_b0 @128's activations at 0.63x fp32 eager's step time, where autoplan's
@@ -479,7 +490,7 @@ def _budgeted(plan: Plan, step: Plan) -> Plan | None:
     0.50x against 875 MiB at 0.52x. Budgets of 0.5 and 0.4 kept more on resnet18, not less: the
     partitioner's choice is not monotonic in it, so one budget, not a search over it."""
     (compile_step,) = step.steps
-    if compile_step.memory_budget is not None or compile_step.backend not in PARTITIONING:
+    if compile_step.memory_budget is not None or compile_step.backend not in PARTITIONING or compile_step.pattern:
         return None
     budgeted = dataclasses.replace(compile_step, memory_budget=PARTITIONER_BUDGET)
     return Plan([s for s in plan.steps if not s.recomputes] + [budgeted])
@@ -564,7 +575,8 @@ def autoplan(
         compile: also try the plans compiled (stage 5 above): ``True`` for ``compile()``, or the
             compile step's text (``"compile(mode='max-autotune')"``). The answer may then end in
             ``compile()`` (or ``compile(memory_budget=0.6)``, the plan's recompute steps left to
-            the compiler); candidates are still measured eager.
+            the compiler, where the step sets no budget, compiles the whole model and its backend
+            partitions: see ``_budgeted``); candidates are still measured eager.
 
     Returns ``(plan, report)``: the report lists the baseline, every candidate measured alone, the
     chosen plan's measurements and, in its notes, why each candidate was taken or left. A budget
@@ -587,11 +599,8 @@ def autoplan(
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
-    # The probe only names modules; off the GPU, it counts in no row's peak (rows measured here
-    # are copies of it, see _Rows).
-    probe = make().to("cpu")
-    with _gc_frozen(), contextlib.closing(_Rows(make, probe, batch, options, cuda, {} if cache is None else cache)) as rows:
-        return _autoplan(rows, probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
+    with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache)) as rows:
+        return _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
                          isolate_candidates, progress, compile_step)
 
 

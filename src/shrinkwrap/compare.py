@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import importlib
 import io
 import multiprocessing
 import pickle
@@ -118,28 +119,25 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
         _clean(device)
 
 
-def _ready(make: Callable[[], nn.Module] | None) -> None:
+def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) -> None:
     """A spawned process's first task: what a row does before it measures anything. ``make`` was
-    unpickled to get here, importing the modules it comes from; CUDA starts now; and ``make`` is
-    called once on the meta device, for the imports it does itself (a factory that loads a
-    transformers model imports transformers: 7.8 of the 16.8 s an isolated bert row took on an
-    H100, with the process started ahead). On the meta device the model takes no memory and is
-    thrown away; a factory that cannot build there (``.cuda()`` copies data that a meta tensor
-    lacks) fails here quietly and again, loudly, in the row, if it fails for another reason."""
+    unpickled to get here, importing the modules it comes from; the ``modules`` that define the
+    model's classes are imported now, which the factory itself may import only when called
+    (transformers: 7.8 of the 16.8 s an isolated bert row took on an H100, with the process started
+    ahead); and CUDA starts. The factory is not called: it may cache what it builds, or act."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - only a head start; the row imports what it needs
+            pass
     if torch.cuda.is_available():
         torch.cuda.init()
-    if make is not None:
-        try:
-            with torch.device("meta"):
-                make()
-        except Exception:  # noqa: BLE001 - only a head start; the row builds the model for real
-            pass
 
 
 class FreshProcesses:
     """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
-    next row's process now, so that its start (imports, the factory's own, and the CUDA context:
-    see :func:`_ready`) overlaps what this process does until that row comes; it is still fresh (it
+    next row's process now, so that its start (imports, those of the model's classes (``modules``),
+    and the CUDA context: see :func:`_ready`) overlaps what this process does until that row comes; it is still fresh (it
     has measured nothing) then. One started and never used is stopped by
     :meth:`close`.
 
@@ -150,15 +148,16 @@ class FreshProcesses:
         ...     measure_plans(make, [Plan()], batch, isolate=True, processes=fresh)
     """
 
-    def __init__(self, make: Callable[[], nn.Module] | None = None) -> None:
-        # A copied instance would travel twice (torch.save bytes): only the CUDA start goes ahead.
+    def __init__(self, make: Callable[[], nn.Module] | None = None, modules: Sequence[str] = ()) -> None:
+        # A copied instance would travel twice (torch.save bytes): only the imports and the CUDA start go ahead.
         self.make = None if isinstance(make, _Copies) else make
+        self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
 
     def start_next(self) -> None:
         if self._next is None:
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-            self._next.submit(_ready, self.make)
+            self._next.submit(_ready, self.make, self.modules)
 
     def row(self, args: tuple) -> tuple[Profile | tuple[str, str], tuple, tuple]:
         self.start_next()
