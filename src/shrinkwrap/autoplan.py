@@ -218,7 +218,6 @@ class _Rows:
         self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
         self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
         self.measured_here = False  # whether a row has run in this process
-        self.first_here = False  # whether the isolated baseline was measured in this process
 
     def untouched(self) -> bool:
         """Whether nothing of this process is on the GPU: CUDA not started, or nothing allocated
@@ -241,7 +240,7 @@ class _Rows:
             # s a process takes to start (bert on an H100). The row serves both keys.
             row = measure_plans(self.local, [empty], self.batch, self.options, isolate=False, keep_going=True).rows[0]
             self.cache[str(empty), True] = self.cache[str(empty), False] = row
-            self.measured_here = self.first_here = True
+            self.measured_here = True
             todo.remove(empty)
         if todo:
             if isolate:
@@ -253,6 +252,13 @@ class _Rows:
                 self.measured_here = True
             self.cache.update({(str(p), isolate): row for p, row in zip(todo, rows)})
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
+
+    @property
+    def baseline_here(self) -> bool:
+        """Whether the isolated baseline was measured in this process (by this call or an earlier
+        one that shared the cache): the one row that serves both keys."""
+        row = self.cache.get(("", True))
+        return row is not None and row is self.cache.get(("", False))
 
     def close(self) -> None:
         self.fresh.close()
@@ -279,12 +285,9 @@ def _isolation(rows: _Rows, isolate_candidates: bool) -> str:
     """Where the report's rows were measured, for its header."""
     if not rows.cuda:
         return "in this process"
-    here = rows.first_here
-    baseline = "the baseline first in this process, with nothing else on the GPU" if here else ""
-    if isolate_candidates:
-        return f"in subprocesses, {baseline}" if here else "in subprocesses"
-    return (f"candidates in this process, {baseline}, chosen plans in subprocesses" if here
-            else "candidates in this process, the baseline and chosen plans in subprocesses")
+    where = "in subprocesses" if isolate_candidates else "candidates in this process, chosen plans in subprocesses"
+    return where + ("; the baseline first in this process, with nothing else on the GPU" if rows.baseline_here
+                    else "; the baseline in a subprocess")
 
 
 def _copies_of(make: Callable[[], nn.Module], model: nn.Module) -> Callable[[], nn.Module]:
@@ -395,17 +398,15 @@ class _Search:
             # Refined in this process (seconds: a copy of the model), answered from a fresh one (on
             # an H100, 12 s a resnet152 row, most of it the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
-            row.role, row.round = "chosen", r + 1
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), row.profile.step_ms) \
                 if grow and self.fits(row) and r + 1 < rounds else []
+            if not nxt and (self.fits(row) or self.by_memory):
+                row = self.measure_chosen(plan)
+            row.role, row.round = "chosen", r + 1
+            tried.append(row)
             if nxt:
-                tried.append(row)
                 chosen += nxt
                 continue
-            if self.fits(row) or self.by_memory:
-                row = self.measure_chosen(plan)
-                row.role, row.round = "chosen", r + 1
-            tried.append(row)
             if self.fits(row) or self.by_memory:
                 break
             if row.profile is not None and not self.fits_time(row) and chosen:

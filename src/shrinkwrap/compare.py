@@ -136,10 +136,10 @@ def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) ->
 
 class FreshProcesses:
     """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
-    next row's process now, so that its start (imports, those of the model's classes (``modules``),
-    and the CUDA context: see :func:`_ready`) overlaps what this process does until that row comes; it is still fresh (it
-    has measured nothing) then. One started and never used is stopped by
-    :meth:`close`.
+    next row's process now, so that its start (imports, those of the model's classes
+    (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
+    that row comes; it is still fresh (it has measured nothing) then. One started and never used
+    is stopped by :meth:`close`.
 
     Example::
 
