@@ -36,6 +36,7 @@ PLANS: dict[str, dict[str, str]] = {
         "sw_bf16_cl_budget0.7": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.7)",
         "sw_bf16_cl_budget0.6": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bf16_cl_budget0.55": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.55)",
+        "sw_bf16_budget0.6": r"autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bf16_cl_budget0.5": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_bf16_cl_budget0.4": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.4)",
         "sw_stem_bf16_cl_budget0.6": STEM + r", channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
@@ -56,6 +57,7 @@ PLANS: dict[str, dict[str, str]] = {
         "sw_swish_bn_act_bf16": r"swish(), bn_act(), autocast(torch.bfloat16), compile()",
         "sw_bf16_budget0.6": r"autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bf16_budget0.7": r"autocast(torch.bfloat16), compile(memory_budget=0.7)",
+        "sw_bf16_cl_budget0.6": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bn_act_bf16_budget0.7": r"bn_act(), autocast(torch.bfloat16), compile(memory_budget=0.7)",
     },
     "resnet152": {

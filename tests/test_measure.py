@@ -364,6 +364,48 @@ def test_a_process_started_ahead_imports_the_modules_of_the_models_classes_and_n
     assert built == []  # a factory may cache what it builds, or act: only the row calls it
 
 
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as language models tie their head
+        self.norm = nn.BatchNorm1d(4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.weight.requires_grad_(False)
+        self.embed.weight.note = "kept"  # an attribute set on a parameter (transformers sets some)
+
+    def forward(self, x):
+        return self.head(self.frozen(self.norm(self.embed(x))))
+
+
+def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
+    from shrinkwrap.compare import _Copies
+
+    original = _Tied()
+    original.norm.running_mean.add_(1.0)
+    copy_ = _Copies(original)(torch.device("cpu"))
+    assert copy_.head.weight is copy_.embed.weight  # still one parameter
+    assert copy_.embed.weight is not original.embed.weight and copy_.embed.weight.note == "kept"
+    assert not copy_.frozen.weight.requires_grad and isinstance(copy_.frozen.weight, nn.Parameter)
+    for (name, a), b in zip(original.state_dict().items(), copy_.state_dict().values()):
+        assert torch.equal(a, b), name
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), name  # its own memory
+    copy_.norm.running_mean.zero_()
+    assert original.norm.running_mean.eq(1.0).all()
+
+
+def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
+    from shrinkwrap.compare import _Copies
+
+    original = nn.Linear(4, 4)
+    original.register_buffer("table", torch.zeros(3, 4))
+    original.register_buffer("row", original.table[1])  # a buffer into another buffer's memory
+    copy_ = _Copies(original)(torch.device("cpu"))
+    copy_.table[1, 0] = 5.0
+    assert copy_.row[0] == 5.0 and original.row[0] == 0.0  # as deepcopy keeps them
+
+
 def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():
     from shrinkwrap.measure.step import Options, measure_with
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from ._tree import tensors, tree_map
-from .compare import FreshProcesses, Progress, _Copies, describe_batch, measure_plans, model_maker
+from .compare import FreshProcesses, Progress, _build, _Copies, describe_batch, measure_plans, model_maker
 from .measure.step import LossFn, OptimizerFactory, Options, Timing, device_name, resolve_device, time_interleaved
 from .plan import Plan
 from .report import Report, Row
@@ -336,7 +336,8 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
-        models = {"baseline": self.rows.local(), "plan": plan.apply(self.rows.local())}
+        dev = resolve_device(self.rows.options.device)
+        models = {"baseline": _build(self.rows.local, dev, Plan()), "plan": _build(self.rows.local, dev, plan)}
         timings = time_interleaved(models, self.rows.batch, self.rows.options, rounds=5,
                                    per_round=self.rows.options.iterations)
         self.ratios[str(plan)] = (timings["baseline"], timings["plan"])

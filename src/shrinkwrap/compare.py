@@ -45,16 +45,17 @@ Parallelize = Callable[[nn.Module], nn.Module]
 class _Copies:
     """Fresh copies of one model instance, so the user's own model is never touched.
 
-    In this process a copy is a ``deepcopy``; sent to a subprocess, the model travels as
-    ``torch.save`` bytes loaded onto the CPU (no CUDA memory shared between processes).
+    In this process a copy is a ``deepcopy`` (given a ``device``, made there directly: see
+    :func:`_copy_onto`); sent to a subprocess, the model travels as ``torch.save`` bytes loaded onto
+    the CPU (no CUDA memory shared between processes).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.__name__ = type(model).__name__
 
-    def __call__(self) -> nn.Module:
-        return copy.deepcopy(self.model)
+    def __call__(self, device: torch.device | None = None) -> nn.Module:
+        return copy.deepcopy(self.model) if device is None else _copy_onto(self.model, device)
 
     def __getstate__(self) -> dict:
         buf = io.BytesIO()
@@ -76,8 +77,29 @@ def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module], where: st
     raise TypeError(wrong(where, "a model or a function returning one", model_or_factory))
 
 
+def _copy_onto(model: nn.Module, device: torch.device) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are made on ``device`` straight from
+    the originals, not cloned on the CPU first and then moved: on an H100 machine a copy of
+    resnet152 onto the GPU took 0.09 s this way and 0.15 s the plain way, 33 times in one autoplan
+    call. Parameter subclasses, tensors with a gradient, and tensors sharing memory take the plain
+    path, which keeps what they are."""
+    originals = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    storages = [t.untyped_storage().data_ptr() for t in originals if t.numel()]
+    if len(set(storages)) < len(storages) or any(
+            type(t) not in (torch.Tensor, nn.Parameter) or t.grad is not None or t.layout != torch.strided
+            for t in originals):
+        return copy.deepcopy(model).to(device)
+    memo: dict = {}
+    for t in originals:
+        new = t.detach().to(device, copy=True)
+        new = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new.requires_grad_(t.requires_grad)
+        new.__dict__.update(copy.deepcopy(t.__dict__, memo))
+        memo[id(t)] = new
+    return copy.deepcopy(model, memo)
+
+
 def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
-    model = make()
+    model = make(device) if isinstance(make, _Copies) else make()
     if not isinstance(model, nn.Module):
         raise TypeError(f"shrinkwrap: the model factory returned {type(model).__name__}, not an nn.Module")
     return plan.apply(model.to(device))
