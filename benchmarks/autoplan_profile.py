@@ -1,6 +1,6 @@
 """Where autoplan's own seconds go: one ``sw.autoplan`` call under cProfile.
 
-    python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile] [--check-baseline]
+    python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile] [--check-baseline] [--no-profile]
 
 A diagnosis, not a benchmark: prints autoplan's notes on its own time, then the functions with
 the most cumulative time (building models, measuring iterations, emptying caches, subprocesses).
@@ -30,20 +30,31 @@ def main() -> None:
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--sort", default="cumulative", help="pstats sort key: cumulative, tottime, ...")
+    parser.add_argument("--dump", help="also write the raw profile here, for pstats")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="autoplan's own time without cProfile, whose overhead falls on the Python side "
+                             "(copies of the model, module calls)")
     parser.add_argument("--check-baseline", action="store_true",
                         help="after autoplan, the baseline again in a fresh process, beside autoplan's")
     args = parser.parse_args()
     _, batch = _load(args.model, MODELS[args.model][1])
     profiler = cProfile.Profile()
     started = time.perf_counter()
-    profiler.enable()
+    if not args.no_profile:
+        profiler.enable()
     plan, report = sw.autoplan(functools.partial(build, args.model), batch, max_slowdown=args.slowdown,
                                allow_lossy=True, device="cuda", compile=args.compile)
     profiler.disable()
     print(f"{args.model}: {plan} in {time.perf_counter() - started:.1f} s")
-    print("\n".join(n for n in report.notes if "own time" in n or n.startswith("plan")))
+    print("\n".join(n for n in report.notes if "own time" in n or n.startswith(("plan", "baseline")) or "in turns" in n))
+    answer = next(r for r in reversed(report.rows) if r.plan == plan)
+    print(f"answer: {report.value(answer) / 2**20:.1f} MiB, {answer.profile.step_ms:.1f} ms ({answer.role})")
     print(f"rows measured {report.isolation}")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+    if args.dump and not args.no_profile:
+        profiler.dump_stats(args.dump)
+    if not args.no_profile:
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
     if args.check_baseline:  # is a first row in this process what a fresh process sees?
         fresh = measure_plans(functools.partial(build, args.model), [sw.Plan()], batch, isolate=True,
                               options=sw.Options(device="cuda")).rows[0]

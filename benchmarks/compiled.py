@@ -39,6 +39,12 @@ PLANS: dict[str, dict[str, str]] = {
         "sw_bf16_budget0.6": r"autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_bf16_cl_budget0.5": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.5)",
         "sw_bf16_cl_budget0.4": r"channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.4)",
+        # Convolutions are compute-intensive ops, which the partitioner does not recompute under a
+        # budget; checkpoint regions recompute them.
+        "sw_ckpt_layer1_bf16_cl_budget0.6": r"checkpoint(r'layer1\.\d+'), channels_last(), autocast(torch.bfloat16), "
+                                            r"compile(memory_budget=0.6)",
+        "sw_ckpt_blocks_bf16_cl_budget0.6": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), "
+                                            r"compile(memory_budget=0.6)",
         "sw_stem_bf16_cl_budget0.6": STEM + r", channels_last(), autocast(torch.bfloat16), compile(memory_budget=0.6)",
         "sw_ckpt_blocks_bf16_cl": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), compile()",
         "sw_stem_bf16_cl": STEM + r", channels_last(), autocast(torch.bfloat16), compile()",

@@ -598,3 +598,26 @@ def test_on_cuda_a_baseline_measured_first_with_nothing_on_the_gpu_reads_as_a_fr
     here, fresh = map(int, values.split())
     assert "baseline first in this process" in isolation
     assert abs(here - fresh) <= 0.02 * fresh
+
+
+def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(monkeypatch):
+    import sys
+
+    from shrinkwrap.measure.step import Options
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+    warmups = []
+    real = ap.measure_plans
+
+    def recording(make, plans, batch, options, **kw):
+        warmups.extend((str(p), options.warmup) for p in plans)
+        return real(make, plans, batch, options, **kw)
+
+    monkeypatch.setattr(ap, "measure_plans", recording)
+    eager, compiled = sw.Plan([sw.checkpoint(r"1\.0")]), sw.Plan([sw.checkpoint(r"1\.0"), sw.compile(backend="eager")])
+    for warmup, expected in [(None, [1, 1, 2]), (3, [3, 3, 3])]:
+        warmups.clear()
+        rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), False, {}, warmup)
+        rows([sw.Plan(), eager, compiled], False)
+        rows.close()
+        assert [w for _, w in warmups] == expected

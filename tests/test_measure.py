@@ -1,9 +1,9 @@
 """The measuring harness: shrinkwrap.measure (one configuration) and plan_report (baseline -> steps)."""
 
-import types
-
+import multiprocessing
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -332,6 +332,7 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     from shrinkwrap.compare import FreshProcesses, measure_plans
     from shrinkwrap.measure.step import Options
 
+    before = {c.pid for c in multiprocessing.active_children()}
     with FreshProcesses(mlp) as fresh:
         report = measure_plans(mlp, [sw.Plan(), sw.Plan([sw.checkpoint("0")])], torch.randn(16, 32),
                                Options(iterations=1, warmup=1, device="cpu"), isolate=True, processes=fresh)
@@ -342,6 +343,10 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert fresh._next is None
     process.join(timeout=30)
     assert not process.is_alive()
+    # Processes that measured a row are not waited for, but they exit on their own.
+    for child in multiprocessing.active_children():
+        child.join(timeout=30)
+    assert not [c for c in multiprocessing.active_children() if c.pid not in before]
     assert report.isolation == "in subprocesses" and [r.status for r in report.rows] == ["ok", "ok"]
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
@@ -422,3 +427,14 @@ def test_a_row_built_to_be_thrown_away_is_not_restored():
     measure_with(model, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"), restore=False)
     assert all(p.grad is not None for p in model.parameters())
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # AdamW's steps stay
+
+
+@pytest.mark.cuda
+def test_cuda_one_warm_up_iteration_reaches_an_eager_models_steady_peak():
+    # autoplan measures eager rows after one warm-up iteration (see _Rows.options_for): the peak
+    # must be the one that more warm-up reaches, to the byte.
+    from shrinkwrap.models import tiny_efficientnet
+
+    batch = torch.randn(64, *tiny_efficientnet.input_shape)
+    peaks = [sw.measure(tiny_efficientnet(), batch, iterations=1, warmup=w).peak for w in (1, 2, 3)]
+    assert peaks[0] == peaks[1] == peaks[2]

@@ -209,8 +209,9 @@ class _Rows:
     this process measures the candidates (see :class:`FreshProcesses`)."""
 
     def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
-                 cache: dict) -> None:
+                 cache: dict, warmup: int | None = None) -> None:
         self.make, self.batch, self.options, self.cuda, self.cache = make, batch, options, cuda, cache
+        self.warmup = warmup
         self.local = _copies_of(make, model)
         # The model to read names from: the copy kept on the CPU, where there is one, so that the
         # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
@@ -218,6 +219,18 @@ class _Rows:
         self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
         self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
         self.measured_here = False  # whether a row has run in this process
+
+    def options_for(self, plan: Plan) -> Options:
+        """The options ``plan``'s rows are measured and timed with. Unless the caller set ``warmup``:
+        one warm-up iteration for an eager plan, whose first iteration makes what the optimizer
+        keeps, so that the second, the one measured, is steady (a CUDA test checks that its peak is
+        two warm-ups' to the byte); two for a compiled plan, which dynamo may compile again on its
+        second call. One iteration less per candidate: on an H100, resnet152's 33 candidates ran
+        6 iterations each of about 0.1 s."""
+        if self.warmup is not None:
+            return dataclasses.replace(self.options, warmup=self.warmup)
+        compiled = any(s.name == "compile" for s in plan.steps)
+        return dataclasses.replace(self.options, warmup=2 if compiled else 1)
 
     def untouched(self) -> bool:
         """Whether nothing of this process is on the GPU: CUDA not started, or nothing allocated
@@ -238,19 +251,20 @@ class _Rows:
             # The baseline, before any row in this process and with nothing of it on the GPU: it
             # sees what a fresh process would (every byte of its peak its own), without the 12-20
             # s a process takes to start (bert on an H100). The row serves both keys.
-            row = measure_plans(self.local, [empty], self.batch, self.options, isolate=False, keep_going=True).rows[0]
+            row = measure_plans(self.local, [empty], self.batch, self.options_for(empty), isolate=False,
+                                keep_going=True).rows[0]
             self.cache[str(empty), True] = self.cache[str(empty), False] = row
             self.measured_here = True
             todo.remove(empty)
-        if todo:
+        for plan in todo:
             if isolate:
-                rows = measure_plans(self.make, todo, self.batch, self.options, isolate=True, keep_going=True,
-                                     processes=self.fresh).rows
+                row = measure_plans(self.make, [plan], self.batch, self.options_for(plan), isolate=True,
+                                    keep_going=True, processes=self.fresh).rows[0]
             else:
-                options = dataclasses.replace(self.options, module_log=False)
-                rows = measure_plans(self.local, todo, self.batch, options, isolate=False, keep_going=True).rows
+                options = dataclasses.replace(self.options_for(plan), module_log=False)
+                row = measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
                 self.measured_here = True
-            self.cache.update({(str(p), isolate): row for p, row in zip(todo, rows)})
+            self.cache[str(plan), isolate] = row
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
     @property
@@ -338,7 +352,7 @@ class _Search:
             return
         dev = resolve_device(self.rows.options.device)
         models = {"baseline": _build(self.rows.local, dev, Plan()), "plan": _build(self.rows.local, dev, plan)}
-        timings = time_interleaved(models, self.rows.batch, self.rows.options, rounds=5,
+        timings = time_interleaved(models, self.rows.batch, self.rows.options_for(plan), rounds=5,
                                    per_round=self.rows.options.iterations)
         self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
 
@@ -542,7 +556,7 @@ def autoplan(
     optimizer: OptimizerFactory | None = None,
     device: str | torch.device | None = None,
     iterations: int = 3,
-    warmup: int = 2,
+    warmup: int | None = None,
     rounds: int = 4,
     tolerance: float = 0.03,
     isolate_candidates: bool = False,
@@ -563,7 +577,9 @@ def autoplan(
         maximize: ``"speed"`` (default), or ``"batch"``: the largest batch (scaling ``batch`` along
             its first dimension) that fits ``budget`` with the least-memory plan within
             ``max_slowdown``.
-        loss_fn, optimizer, device, iterations, warmup: as :func:`shrinkwrap.measure`.
+        loss_fn, optimizer, device, iterations: as :func:`shrinkwrap.measure`.
+        warmup: iterations before a row is measured, as :func:`shrinkwrap.measure`; by default one
+            for an eager plan (its second iteration is steady) and two for a compiled one.
         tolerance: how far over ``max_slowdown`` a plan may time and still count as within it
             (at least; the timings' own spread widens it). A chosen plan is timed in turns with
             the baseline in one process, and a step-time limit is decided on that ratio.
@@ -598,10 +614,11 @@ def autoplan(
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
     compile_step = _compile_step(compile)
     make = model_maker(model_or_factory, "autoplan()")
-    options = Options(loss_fn, optimizer, iterations, warmup, device)
+    options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
-    with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache)) as rows:
+    with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache,
+                                                warmup)) as rows:
         return _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
                          isolate_candidates, progress, compile_step)
 
