@@ -631,3 +631,30 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
         rows([sw.Plan(), eager, compiled], False)
         rows.close()
         assert [w for _, w in warmups] == expected
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_on_cuda_the_base_runs_once_before_the_row_every_candidate_is_read_against(cuda, monkeypatch):
+    import sys
+
+    from shrinkwrap.measure.step import Options
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+    measured = []
+    real = ap.measure_plans
+
+    def recording(make, plans, batch, options, **kw):
+        measured.extend(str(p) for p in plans)
+        return real(make, plans, batch, options, **kw)
+
+    monkeypatch.setattr(ap, "measure_plans", recording)
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
+    search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
+    baseline = rows([sw.Plan()], False)[0]
+    measured.clear()
+    rest = [c for c in candidates(mlp(), device="cpu") if c.covers][:2]
+    search.on_top((sw.swish(),), rest, baseline)
+    base = "swish()"
+    assert measured[0] == base and measured.count(base) == (2 if cuda else 1) and len(measured) == len(rest) + (
+        2 if cuda else 1)
+    rows.close()
