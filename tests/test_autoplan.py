@@ -658,3 +658,16 @@ def test_on_cuda_the_base_runs_once_before_the_row_every_candidate_is_read_again
     assert measured[0] == base and measured.count(base) == (2 if cuda else 1) and len(measured) == len(rest) + (
         2 if cuda else 1)
     rows.close()
+
+
+def test_a_region_that_recomputes_is_priced_at_no_less_than_nothing_whatever_its_row_read():
+    from shrinkwrap.autoplan import Effect, _priced, _search
+
+    regions = [c for c in candidates(mlp(), device="cpu") if c.covers and "." in c.covers[0]]
+    whole = next(c for c in candidates(mlp(), device="cpu") if not c.covers)  # swish(): may run faster
+    effects = [Effect(c, 100.0, -3.0) for c in regions] + [Effect(whole, 0.0, -2.0)]
+    priced = _priced(effects)
+    assert [e.cost for e in priced] == [0.0] * len(regions) + [-2.0]
+    assert [e.cost for e in effects][:len(regions)] == [-3.0] * len(regions)  # the measured figures stay
+    # Priced at nothing, the blocks still fit a limit of the base's own time.
+    assert len(_search(priced[:4], 1000.0, 8.0, None, 8.0)) == 4
