@@ -421,12 +421,12 @@ class _Search:
 
         - Over the time limit: the candidates' costs were read from one row each, and the chosen
           ones partly because their rows read cheap. What the plan took beyond its prediction
-          (from the base's predicted memory and time, ``start``) is shared among the candidates chosen on top of the
-          base, and the search runs again with those costs: on an H100, resnet152's first plan
-          for a 1.5x limit timed 2.59x, and dropping the costliest candidate one round at a time
-          still left 1.67x after four rounds. Where that finds nothing new, the costliest is
-          dropped (what was measured on top of the base first: the base is what those
-          measurements assume).
+          (from ``start``, the base's predicted memory and time) is shared among the candidates
+          chosen on top of the base, and the search runs again with those costs: on an H100,
+          resnet152's first plan for a 1.5x limit timed 2.59x, and dropping the costliest
+          candidate one round at a time still left 1.67x after four rounds. Where that finds
+          nothing new, the costliest is dropped (what was measured on top of the base first:
+          the base is what those measurements assume).
         - Over budget: the next candidates are added.
         - Without a budget (the least memory within the time limit), a plan that fits is grown
           while rounds are left: the smallest set of what is left, predicted from the plan's own
