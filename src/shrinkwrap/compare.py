@@ -194,7 +194,10 @@ class FreshProcesses:
 
     def close(self) -> None:
         if self._next is not None:
-            self._next.shutdown(wait=False, cancel_futures=True)
+            # Unused, it has measured nothing: stopped, not waited for (it may still be importing).
+            for process in list((self._next._processes or {}).values()):
+                process.terminate()
+            self._next.shutdown(cancel_futures=True)
             self._next = None
 
     def __enter__(self) -> "FreshProcesses":
