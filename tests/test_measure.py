@@ -343,9 +343,7 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert fresh._next is None
     process.join(timeout=30)
     assert not process.is_alive()
-    # Processes that measured a row are not waited for, but they exit on their own.
-    for child in multiprocessing.active_children():
-        child.join(timeout=60)
+    # Processes that measured a row were not waited for after it, and are gone once closed.
     assert not [c for c in multiprocessing.active_children() if c.pid not in before]
     assert report.isolation == "in subprocesses" and [r.status for r in report.rows] == ["ok", "ok"]
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process

@@ -19,6 +19,7 @@ keeps the plan's guarantees: plan, then ``fully_shard`` or DDP).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -175,6 +176,7 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
+        self._exiting: list[tuple[Any, list]] = []  # (pool, its processes) whose row is done: close() joins them
 
     def start_next(self) -> None:
         if self._next is None:
@@ -187,9 +189,10 @@ class FreshProcesses:
         try:
             return pool.submit(_row, *args).result()
         finally:
-            # Not waited for: the process exits on its own while this one goes on (on an H100 machine
-            # its exit took 4.1 s after a resnet152 row). Its CUDA context is not this process's
-            # allocator's, so no reading here counts it.
+            # Not waited for here: the process exits while this one goes on (on an H100 machine its
+            # exit took 4.1 s after a resnet152 row), and close() joins it. Its CUDA context is not
+            # this process's allocator's, so no reading here counts it.
+            self._exiting.append((pool, list((pool._processes or {}).values())))
             pool.shutdown(wait=False)
 
     def close(self) -> None:
@@ -199,6 +202,13 @@ class FreshProcesses:
                 process.terminate()
             self._next.shutdown(cancel_futures=True)
             self._next = None
+        for _, processes in self._exiting:
+            for process in processes:
+                process.join(timeout=10)
+                if process.is_alive():  # its row came back: nothing is left for it to do
+                    process.terminate()
+                    process.join()
+        self._exiting.clear()
 
     def __enter__(self) -> "FreshProcesses":
         return self
@@ -267,25 +277,27 @@ def measure_plans(
             notes.append("your model's own weights stay on the GPU and are counted in every row")
 
     rows = []
-    for i, plan in enumerate(plans):
-        role = "candidate" if plan.steps else "baseline"
-        if progress:
-            progress(i, len(plans), str(plan) or "baseline")
-        args = (make, plan, batch, options, numbered(snapshot, i) if snapshot else None, keep_going, parallelize)
-        if isolate:
-            try:
-                result, matched, skipped = (processes or FreshProcesses()).row(args)
-            except concurrent.futures.process.BrokenProcessPool as exc:
-                isolate = False
-                notes.append(f"a subprocess failed ({exc}); rows from {str(plan) or 'baseline'!r} on "
-                             "measured in this process")
+    # Rows' processes are joined as it closes, after the last row (see FreshProcesses.row).
+    with contextlib.nullcontext(processes) if processes else FreshProcesses() as fresh:
+        for i, plan in enumerate(plans):
+            role = "candidate" if plan.steps else "baseline"
+            if progress:
+                progress(i, len(plans), str(plan) or "baseline")
+            args = (make, plan, batch, options, numbered(snapshot, i) if snapshot else None, keep_going, parallelize)
+            if isolate:
+                try:
+                    result, matched, skipped = fresh.row(args)
+                except concurrent.futures.process.BrokenProcessPool as exc:
+                    isolate = False
+                    notes.append(f"a subprocess failed ({exc}); rows from {str(plan) or 'baseline'!r} on "
+                                 "measured in this process")
+                    result, matched, skipped = _row(*args)
+            else:
                 result, matched, skipped = _row(*args)
-        else:
-            result, matched, skipped = _row(*args)
-        if isinstance(result, tuple):
-            rows.append(Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role))
-        else:
-            rows.append(Row(plan, result, matched, skipped, role=role))
+            if isinstance(result, tuple):
+                rows.append(Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role))
+            else:
+                rows.append(Row(plan, result, matched, skipped, role=role))
     if progress:
         progress(len(plans), len(plans), "done")
     return Report(
