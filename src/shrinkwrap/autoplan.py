@@ -261,9 +261,7 @@ class _Rows:
                 row = measure_plans(self.make, [plan], self.batch, self.options_for(plan), isolate=True,
                                     keep_going=True, processes=self.fresh).rows[0]
             else:
-                options = dataclasses.replace(self.options_for(plan), module_log=False)
-                row = measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
-                self.measured_here = True
+                row = self._here(plan)
             self.cache[str(plan), isolate] = row
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
@@ -273,11 +271,14 @@ class _Rows:
         process stepped in 48 ms and the next in 39 ms (its first step took 14.5 s: cuDNN's first
         use of that layout and type); measured cold, the base read slow, and every candidate on
         top of it read faster than it, down to -17 ms, so the search took them all."""
-        if (str(plan), False) in self.cache:
-            return
+        if (str(plan), False) not in self.cache:
+            self._here(plan)
+
+    def _here(self, plan: Plan) -> Row:
+        """``plan``'s row in this process, on a copy of the model, without the per-module log."""
         options = dataclasses.replace(self.options_for(plan), module_log=False)
-        measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True)
         self.measured_here = True
+        return measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
 
     @property
     def baseline_here(self) -> bool:
@@ -721,10 +722,11 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     effects, top_rows, start_mem, start_t = search.on_top(base_steps, rest, baseline)
     report.rows += [*whole_rows, *top_rows]
     # Stage 3: the search, exact over what was measured.
-    chosen = in_base + search.search(_priced(effects), start_mem, start_t, None if search.by_memory else target)
+    priced = _priced(effects)  # the measured figures stay in `effects`, for the notes
+    chosen = in_base + search.search(priced, start_mem, start_t, None if search.by_memory else target)
     effects = in_base + effects
     measured = time.perf_counter()
-    tried = search.verify(list(chosen), in_base, _priced(effects), rounds, progress, len(cands), (start_mem, start_t))
+    tried = search.verify(list(chosen), in_base, in_base + priced, rounds, progress, len(cands), (start_mem, start_t))
     chosen = search.sets.get(str(search.final(tried).plan), chosen)  # what the verified answer is made of
     if compile_step is not None:
         tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)

@@ -157,6 +157,15 @@ def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) ->
         torch.cuda.init()
 
 
+def _end(processes: Sequence[multiprocessing.process.BaseProcess], grace: float) -> None:
+    """Join ``processes``, terminating any still alive after ``grace`` seconds."""
+    for process in processes:
+        process.join(timeout=grace)
+        if process.is_alive():
+            process.terminate()
+            process.join()
+
+
 class FreshProcesses:
     """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
     next row's process now, so that its start (imports, those of the model's classes
@@ -176,7 +185,9 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
-        self._exiting: list[tuple[Any, list]] = []  # (pool, its processes) whose row is done: close() joins them
+        # Pools whose row is done, with their processes, which close() joins. The pool is held too,
+        # so that it is not collected while its manager thread still shuts the process down.
+        self._exiting: list[tuple[Any, list]] = []
 
     def start_next(self) -> None:
         if self._next is None:
@@ -198,16 +209,11 @@ class FreshProcesses:
     def close(self) -> None:
         if self._next is not None:
             # Unused, it has measured nothing: stopped, not waited for (it may still be importing).
-            for process in list((self._next._processes or {}).values()):
-                process.terminate()
+            _end(list((self._next._processes or {}).values()), grace=0)
             self._next.shutdown(cancel_futures=True)
             self._next = None
         for _, processes in self._exiting:
-            for process in processes:
-                process.join(timeout=10)
-                if process.is_alive():  # its row came back: nothing is left for it to do
-                    process.terminate()
-                    process.join()
+            _end(processes, grace=10)  # its row came back: nothing is left for it to do
         self._exiting.clear()
 
     def __enter__(self) -> "FreshProcesses":
