@@ -264,20 +264,66 @@ def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
     assert sw.saved_tensor_bytes(sw.apply(tiny_efficientnet(), plan), batch) <= 0.3 * report.value(report.rows[0])
 
 
-def test_a_step_time_limit_is_decided_beyond_the_noise():
-    from shrinkwrap.autoplan import within_slowdown
+def test_a_step_time_limit_is_decided_on_the_median_and_trusted_beyond_the_noise():
+    from shrinkwrap.autoplan import ratio_interval, slowdown_decided, within_slowdown
 
-    base = sw.Timing((10.0, 10.1, 9.9))
-    assert within_slowdown(base, sw.Timing((10.2, 10.3, 10.1)), 1.0)          # 1.02x: inside the tolerance
-    assert not within_slowdown(base, sw.Timing((11.0, 11.1, 10.9)), 1.0)      # 1.10x, tight timings: over
-    assert within_slowdown(base, sw.Timing((9.0, 11.0, 13.0)), 1.0)           # 1.10x, but a 36% spread
-    assert not within_slowdown(base, sw.Timing((10.2, 10.3, 10.1)), 1.0, tolerance=0.0)
-    # Five rounds in turns: one slow round of the plan is a hiccup, not a spread that excuses 1.2x.
-    five = sw.Timing((10.0, 10.1, 9.9, 10.0, 10.05))
-    assert not within_slowdown(five, sw.Timing((12.0, 12.1, 11.9, 12.0, 30.0)), 1.0)
-    assert within_slowdown(five, sw.Timing((12.0, 12.1, 11.9, 12.0, 30.0)), 1.25)
+    base = sw.Timing((10.0, 10.1, 9.9, 10.0, 10.0))
+    tight_in, tight_over = sw.Timing((10.2, 10.3, 10.1, 10.2, 10.2)), sw.Timing((11.0, 11.1, 10.9, 11.0, 11.0))
+    assert within_slowdown(base, tight_in, 1.0) and slowdown_decided(base, tight_in, 1.0)   # 1.02x: in the tolerance
+    assert not within_slowdown(base, tight_over, 1.0) and slowdown_decided(base, tight_over, 1.0)  # 1.10x: over
+    assert not within_slowdown(base, tight_in, 1.0, tolerance=0.0)
+    # 1.10x by the median, rounds spread over 36%: over, but not yet beyond the noise (more rounds decide).
+    noisy = sw.Timing((9.0, 11.0, 13.0, 11.0, 12.0))
+    assert not within_slowdown(base, noisy, 1.0) and not slowdown_decided(base, noisy, 1.0)
+    # One slow round no longer excuses 1.2x: the median decides, the interval only says whether to go on.
+    hiccup = sw.Timing((12.0, 12.1, 11.9, 12.0, 30.0))
+    assert not within_slowdown(base, hiccup, 1.0) and slowdown_decided(base, hiccup, 1.0)
     # Drift that falls on both alike (rounds paired) is no noise: 1.10x in every round is over.
-    assert not within_slowdown(sw.Timing((10.0, 14.0, 10.0, 14.0, 10.0)), sw.Timing((11.0, 15.4, 11.0, 15.4, 11.0)), 1.0)
+    drift = sw.Timing((10.0, 14.0, 10.0, 14.0, 10.0))
+    assert not within_slowdown(drift, sw.Timing((11.0, 15.4, 11.0, 15.4, 11.0)), 1.0)
+    assert slowdown_decided(drift, sw.Timing((11.0, 15.4, 11.0, 15.4, 11.0)), 1.0)
+
+
+@pytest.mark.parametrize("n, inner", [(5, (0, 4)), (10, (2, 7)), (15, (4, 10))])
+def test_the_ratios_interval_narrows_to_inner_order_statistics_as_rounds_are_added(n, inner):
+    from shrinkwrap.autoplan import ratio_interval
+
+    ratios = [1.0 + i / 100 for i in range(n)]  # sorted already, distinct
+    ratio, low, high = ratio_interval(sw.Timing((10.0,) * n), sw.Timing(tuple(10.0 * r for r in ratios)))
+    assert (low, high) == pytest.approx((ratios[inner[0]], ratios[inner[1]]))
+    assert ratio == pytest.approx(ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2)
+
+
+def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkeypatch):
+    """A fake clock: the plan's rounds alternate 0.9x and 1.2x the baseline's, then settle at 1.1x.
+    Five rounds leave 1.0x inside the interval; rounds go on until it is not, and the median of
+    them all is over the limit."""
+    import sys
+
+    from shrinkwrap.autoplan import MAX_ROUNDS, _Search
+    from shrinkwrap.measure import step as measure_step
+    from shrinkwrap.report import Row
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+    plan_times = iter([9.0, 12.0, 9.0, 12.0, 9.0] + [11.0] * 50)
+    turns = []
+
+    def fake_timed(step, device, n):  # the baseline (built first) runs first in even rounds
+        rnd, pos = divmod(len(turns), 2)
+        turns.append(step)
+        return [next(plan_times) if pos == (1 if rnd % 2 == 0 else 0) else 10.0] * n
+
+    monkeypatch.setattr(measure_step, "_timed", fake_timed)
+    rows = ap._Rows(mlp, mlp(), BATCH, sw.Options(device="cpu", warmup=1, iterations=1), False, {}, None)
+    search = _Search(rows, rows.probe, None, 1.0, 10.0, None, 10.0, False, False, 1.0)
+    plan = sw.Plan.parse("checkpoint('1')")
+    search.time_against_baseline(plan)
+    baseline, timed = search.ratios[str(plan)]
+    assert 5 < len(timed.rounds_ms) < MAX_ROUNDS
+    assert sorted(timed.rounds_ms[:5]) == [9.0, 9.0, 9.0, 12.0, 12.0] and set(baseline.rounds_ms) == {10.0}
+    assert ap.slowdown_decided(baseline, timed, 1.0)
+    assert not search.fits_time(Row(plan, None))
+    rows.close()
 
 
 def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():

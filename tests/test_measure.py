@@ -308,6 +308,22 @@ def test_time_interleaved_takes_turns_and_restores_the_models():
     assert all(torch.equal(models[n].weight, before[n]) for n in models)
 
 
+def test_time_interleaved_goes_on_round_by_round_until_told_and_no_further_than_the_most():
+    models = {"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)}
+    seen = []
+
+    def until(timings):
+        seen.append(len(timings["a"].rounds_ms))
+        return len(seen) == 4
+
+    opts = sw.Options(device="cpu", warmup=1)
+    timings = sw.time_interleaved(models, torch.randn(2, 4), opts, rounds=2, per_round=1, until=until, max_rounds=9)
+    assert seen == [2, 3, 4, 5] and all(len(t.rounds_ms) == 5 for t in timings.values())
+    capped = sw.time_interleaved(models, torch.randn(2, 4), opts, rounds=2, per_round=1, until=lambda t: False,
+                                 max_rounds=4)
+    assert all(len(t.rounds_ms) == 4 for t in capped.values())
+
+
 def test_restored_gives_gradients_back_without_holding_them_meanwhile():
     import weakref
 

@@ -548,13 +548,17 @@ class Timing:
 
 
 def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
-                     rounds: int = 5, per_round: int = 3) -> dict[str, Timing]:
+                     rounds: int = 5, per_round: int = 3,
+                     until: Callable[[dict[str, Timing]], bool] | None = None,
+                     max_rounds: int | None = None) -> dict[str, Timing]:
     """Time the training iteration of several models in turns (A B C, B C A, ...) in this process.
 
     Step times on a shared GPU drift 10-20% between processes and over minutes; measured in
     turns, drift falls on every configuration alike, and each result carries its spread. Each
     model gets ``options.warmup`` iterations first (compilation happens there), then ``rounds``
     rounds of ``per_round`` iterations each; models are restored afterwards, as by :func:`measure`.
+    With ``until``, rounds go on one at a time after the first ``rounds`` while ``until(timings so
+    far)`` is false, up to ``max_rounds`` in all: as many repeats as a decision needs.
 
     Example::
 
@@ -571,10 +575,16 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
                 steps[name]()
         names = list(steps)
         out: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(rounds):
+
+        def timings() -> dict[str, Timing]:
+            return {name: Timing(tuple(times)) for name, times in out.items()}
+
+        r = 0
+        while r < rounds or (until is not None and r < (max_rounds or rounds) and not until(timings())):
             for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
                 out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
-    return {name: Timing(tuple(times)) for name, times in out.items()}
+            r += 1
+    return timings()
 
 
 def _transfers(model: nn.Module, reset: bool = False) -> dict[str, int]:
