@@ -706,14 +706,41 @@ def test_on_cuda_the_base_runs_once_before_the_row_every_candidate_is_read_again
     rows.close()
 
 
-def test_a_region_that_recomputes_is_priced_at_no_less_than_nothing_whatever_its_row_read():
+def test_a_region_that_recomputes_is_priced_at_its_forward_time_or_no_less_than_nothing():
     from shrinkwrap.autoplan import Effect, _priced, _search
 
     regions = [c for c in candidates(mlp(), device="cpu") if c.covers and "." in c.covers[0]]
     whole = next(c for c in candidates(mlp(), device="cpu") if not c.covers)  # swish(): may run faster
     effects = [Effect(c, 100.0, -3.0) for c in regions] + [Effect(whole, 0.0, -2.0)]
-    priced = _priced(effects)
+    priced = _priced(effects, {})
     assert [e.cost for e in priced] == [0.0] * len(regions) + [-2.0]
     assert [e.cost for e in effects][:len(regions)] == [-3.0] * len(regions)  # the measured figures stay
     # Priced at nothing, the blocks still fit a limit of the base's own time.
     assert len(_search(priced[:4], 1000.0, 8.0, None, 8.0)) == 4
+    # With the forward times of the base, each region costs its modules' forward, whatever its row read.
+    forward = {name: 0.25 * (i + 1) for i, name in enumerate(c.covers[0] for c in regions)}
+    by_forward = _priced(effects, forward)
+    assert [e.cost for e in by_forward] == [forward[c.covers[0]] for c in regions] + [-2.0]
+    assert all(e.priced_by_forward for e in by_forward[:len(regions)]) and not by_forward[-1].priced_by_forward
+    assert len(_search(by_forward[:4], 1000.0, 8.0, None, 8.8)) == 2  # 0.25 + 0.5 fit, 0.75 more does not
+    # Rows that read about three times their forward (one of them a noisy 40x): priced at three times it.
+    rows_read = [Effect(c, 100.0, f * forward[c.covers[0]]) for c, f in zip(regions, [3.0, 2.9, 3.1, 40.0])]
+    assert [e.cost for e in _priced(rows_read, forward)] == pytest.approx([3.05 * forward[c.covers[0]] for c in regions])
+
+
+def test_a_plan_over_its_limit_scales_every_region_priced_by_its_forward_by_what_its_own_took():
+    from shrinkwrap.autoplan import Effect, _raised
+
+    regions = [c for c in candidates(mlp(), device="cpu") if c.covers and "." in c.covers[0]]
+    effects = [Effect(c, 100.0, 2.0 * (i + 1), priced_by_forward=True) for i, c in enumerate(regions[:3])]
+    effects.append(Effect(regions[3], 100.0, 1.0))  # measured, not priced by its forward
+    # Chosen: the first two (2 + 4 ms predicted), 3 ms over: their recompute took 1.5x their forward.
+    raised = _raised(effects, effects[:2], 3.0)
+    assert [raised[id(e.candidate)].cost for e in effects[:3]] == [3.0, 6.0, 9.0]  # the third, not chosen, too
+    assert id(effects[3].candidate) not in raised
+    # None priced by its forward: a like share each, among the chosen only.
+    plain = [Effect(c, 100.0, 1.0) for c in regions]
+    shared = _raised(plain, plain[:2], 3.0)
+    assert sorted(e.cost for e in shared.values()) == [2.5, 2.5]
+
+

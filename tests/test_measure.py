@@ -324,6 +324,29 @@ def test_time_interleaved_goes_on_round_by_round_until_told_and_no_further_than_
     assert all(len(t.rounds_ms) == 4 for t in capped.values())
 
 
+def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_recompute():
+    import time
+
+    from shrinkwrap.measure.step import forward_times
+
+    class Slow(nn.Module):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds, self.lin = seconds, nn.Linear(4, 4)
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return torch.tanh(self.lin(x))
+
+    model = nn.Sequential(Slow(0.03), Slow(0.0), nn.Linear(4, 1))
+    sw.apply_checkpoint(model, "0")  # its recompute in backward sleeps again: not a forward
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ms = forward_times(model, torch.randn(8, 4), sw.Options(device="cpu", warmup=1, iterations=3))
+    assert 30 <= ms["0"] < 60 and ms["1"] < 30 and ms["2"] < 30  # counted twice it would be 60 and more
+    assert ms[""] >= ms["0"] + ms["1"] + ms["2"]  # the root holds its children
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # restored
+
+
 def test_restored_gives_gradients_back_without_holding_them_meanwhile():
     import weakref
 

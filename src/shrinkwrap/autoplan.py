@@ -11,10 +11,13 @@ impact" — done for the user, in stages, each a function below:
 2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; the
    best of them within the limits (chosen as in 3.) form a base, and every other candidate is
    measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
-   backward and step time).
+   backward and step time). A region's recompute is priced by its forward time on the base,
+   every module timed in the same iterations (one row per region is noisier than the recompute),
+   times the median of what the regions' rows read over their forwards.
 3. The set of candidates is chosen exactly over what was measured (branch and bound): the fastest
    set predicted to fit the budget, or the smallest within the time limit; candidates that cover
-   the same modules exclude each other.
+   the same modules exclude each other. A plan over the time limit in step 4 scales every
+   region's price by what its own recompute took over its forward, and the search runs again.
 4. The chosen plan is measured in this process, and where it fits there, in a fresh process (the
    baseline too, unless it was measured first in this process with nothing else on the GPU); where
    it misses the budget or the slowdown limit (savings and costs do not add exactly) it is
@@ -46,7 +49,8 @@ import torch.nn as nn
 
 from ._tree import tensors, tree_map
 from .compare import FreshProcesses, Progress, _build, _Copies, describe_batch, measure_plans, model_maker
-from .measure.step import LossFn, OptimizerFactory, Options, Timing, device_name, resolve_device, time_interleaved
+from .measure.step import (LossFn, OptimizerFactory, Options, Timing, device_name, forward_times, resolve_device,
+                           time_interleaved)
 from .plan import Plan
 from .report import Report, Row
 from .step import Candidate, Context, registered
@@ -68,6 +72,7 @@ class Effect:
     saving: float
     cost: float
     error: str | None = None
+    priced_by_forward: bool = False  # cost is the region's forward time (scaled as verification learns)
 
     @property
     def efficiency(self) -> float:
@@ -315,6 +320,16 @@ class _Rows:
         self.measured_here = True
         return measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
 
+    def forward_ms(self, plan: Plan) -> dict[str, float]:
+        """Each module's forward time under ``plan`` in this process (:func:`forward_times`), or
+        nothing where the plan cannot run."""
+        self.measured_here = True
+        try:
+            model = _build(self.local, resolve_device(self.options.device), plan)
+            return forward_times(model, self.batch, self.options_for(plan))
+        except (RuntimeError, torch.OutOfMemoryError):
+            return {}
+
     @property
     def baseline_here(self) -> bool:
         """Whether the isolated baseline was measured in this process (by this call or an earlier
@@ -432,10 +447,12 @@ class _Search:
         chosen = self.search(effects, self.base_mem, self.base_t, None if self.by_memory else self.target)
         return chosen, rows[1:], rows[0]
 
-    def on_top(self, base_steps: tuple, rest: list[Candidate], baseline: Row) -> tuple[list[Effect], list[Row], float, float]:
+    def on_top(self, base_steps: tuple, rest: list[Candidate], baseline: Row
+               ) -> tuple[list[Effect], list[Row], float, float, dict[str, float]]:
         """Stage 2: the base measured as a whole (steps that absorb each other, swish and bn_act,
         save less together than their sum), and every other candidate measured on top of it.
-        Returns the effects, the rows, and the base's predicted memory and time."""
+        Returns the effects, the rows, the base's predicted memory and time, and each module's
+        forward time on the base (what recomputing it costs: see :func:`_priced`)."""
         if base_steps and self.rows.cuda and not self.isolate_candidates:
             self.rows.warm_up(Plan(base_steps))  # every candidate is read against the base's row
         rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], self.isolate_candidates)
@@ -445,7 +462,8 @@ class _Search:
         else:
             mem = self.base_mem + self.metric(base) - self.metric(baseline)
             t = self.base_t + base.profile.step_ms - baseline.profile.step_ms
-        return _effects(rest, rows[1:], base, self.metric), (rows if base_steps else rows[1:]), mem, t
+        forward = self.rows.forward_ms(Plan(base_steps)) if any(c.covers for c in rest) else {}
+        return _effects(rest, rows[1:], base, self.metric), (rows if base_steps else rows[1:]), mem, t, forward
 
     def measured_t(self, row: Row) -> float:
         """A chosen plan's step time as the limit is decided on it: the baseline's times its ratio
@@ -501,7 +519,7 @@ class _Search:
                 extra = [e for e in chosen if e not in in_base]
                 excess = self.measured_t(row) - start_t - sum(e.cost for e in extra)
                 if extra and excess > 0:
-                    raised = {id(e.candidate): dataclasses.replace(e, cost=e.cost + excess / len(extra)) for e in extra}
+                    raised = _raised(effects, extra, excess)
                     effects = [raised.get(id(e.candidate), e) for e in effects]
                     chosen = [raised.get(id(e.candidate), e) for e in chosen]
                     again = in_base + self.search(_without(effects, in_base + dropped), start_mem, start_t,
@@ -578,13 +596,52 @@ class _Search:
         return min(measured, key=lambda r: self.metric(r) if r.profile else math.inf)
 
 
-def _priced(effects: list[Effect]) -> list[Effect]:
-    """``effects`` as the search weighs them: a region that recomputes costs at least nothing,
-    whatever its row read. A row is three iterations, and on an H100 efficientnet_b0's candidate
-    rows read up to 11 ms (a quarter of its step) faster than the base they add a recompute to:
-    taken as free, the search chose them all."""
-    return [dataclasses.replace(e, cost=0.0) if e.cost < 0 and e.candidate.covers
-            and all(s.recomputes for s in e.candidate.steps) else e for e in effects]
+def _priced(effects: list[Effect], forward: dict[str, float]) -> list[Effect]:
+    """``effects`` as the search weighs them. A region that recomputes costs its forward time on
+    the base (``forward``: every module timed in the same iterations; the recompute runs that
+    forward again) times what the regions' rows read over their forwards, taken as the median
+    of those ratios and no less than 1: checkpointing has its own overhead (on a CPU its rows read
+    about 3 times their forward). Where the forward was not timed, a region costs what its row
+    read, but no less than nothing.
+
+    A row is three iterations, and on an H100 one row differs from the next by more than a
+    region's recompute: resnet152's 33 candidate rows read from -14 to +28 ms on top of a base
+    of about 80 ms (two single blocks of layer2, alike in every way, +27.6 and -9.0 ms), and
+    efficientnet_b0's down to -11 ms. Taken as free, the search chose them all; its first plans
+    timed 2.1-2.3x the baseline against the 1.0-1.5x predicted."""
+    def region(e: Effect) -> bool:
+        return bool(e.candidate.covers) and all(s.recomputes for s in e.candidate.steps) and not e.error
+
+    def timed(e: Effect) -> float:
+        return sum(forward.get(name, 0.0) for name in e.candidate.covers)
+
+    known = [e for e in effects if region(e) and all(n in forward for n in e.candidate.covers) and timed(e) > 0]
+    scale = max(1.0, statistics.median(e.cost / timed(e) for e in known)) if known else 1.0
+    out = []
+    for e in effects:
+        if any(e is k for k in known):
+            e = dataclasses.replace(e, cost=scale * timed(e), priced_by_forward=True)
+        elif region(e) and e.cost < 0:
+            e = dataclasses.replace(e, cost=0.0)
+        out.append(e)
+    return out
+
+
+def _raised(effects: list[Effect], extra: list[Effect], excess: float) -> dict[int, Effect]:
+    """The effects whose costs a plan over its time limit raises, by candidate: ``excess`` (what
+    the plan took beyond its prediction) shared among ``extra``, the candidates it added to the
+    base. Where some were priced by their forward time, the excess is put on those: the
+    recompute took ``1 + excess / their cost`` times its forward, and so, the search assumes, do
+    the regions not chosen (raised only among the chosen, those would look cheap next to them,
+    and the next plan would swap one set for another). Else each gets a like share.
+
+    Example: regions priced 4 and 6 ms by their forward, a plan of both 5 ms over its prediction:
+    every region priced by its forward now costs 1.5 times it."""
+    total = sum(e.cost for e in extra if e.priced_by_forward)
+    if total > 0:
+        factor = 1 + excess / total
+        return {id(e.candidate): dataclasses.replace(e, cost=e.cost * factor) for e in effects if e.priced_by_forward}
+    return {id(e.candidate): dataclasses.replace(e, cost=e.cost + excess / len(extra)) for e in extra}
 
 
 def _without(effects: list[Effect], exclude: list[Effect]) -> list[Effect]:
@@ -612,14 +669,19 @@ def _budgeted(plan: Plan, step: Plan) -> Plan | None:
     return Plan([s for s in plan.steps if not s.recomputes] + [budgeted])
 
 
-def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Effect], base_steps: tuple) -> list[str]:
-    """Why each candidate was taken or left (``chosen``: the verified answer's)."""
+def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Effect], base_steps: tuple,
+                  priced: list[Effect]) -> list[str]:
+    """Why each candidate was taken or left (``chosen``: the verified answer's; ``priced``: the
+    costs the search first weighed, :func:`_priced`)."""
     notes = []
     taken = {id(c.candidate) for c in chosen}
+    forward = {id(e.candidate): e.cost for e in priced if e.priced_by_forward}
     for e in effects:
         where = "alone" if e in in_base or not base_steps else f"on top of {Plan(base_steps)}"
         why = ("taken" if id(e.candidate) in taken else "left") + f": {e.candidate} saves " \
               f"{e.saving / 2**20:.1f} MiB, {e.cost:+.1f} ms {where}"
+        if id(e.candidate) in forward:
+            why += f" (priced by its forward time at {forward[id(e.candidate)]:.1f} ms)"
         if e.error:
             why = f"left: {e.candidate} failed ({e.error})"
         elif id(e.candidate) not in taken and e.saving <= 0:
@@ -758,10 +820,10 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
     base_steps = tuple(s for e in in_base for s in e.candidate.steps)
     rest = [c for c in cands if all(c is not e.candidate for e in in_base)]
-    effects, top_rows, start_mem, start_t = search.on_top(base_steps, rest, baseline)
+    effects, top_rows, start_mem, start_t, forward = search.on_top(base_steps, rest, baseline)
     report.rows += [*whole_rows, *top_rows]
     # Stage 3: the search, exact over what was measured.
-    priced = _priced(effects)  # the measured figures stay in `effects`, for the notes
+    priced = _priced(effects, forward)  # the measured figures stay in `effects`, for the notes
     chosen = in_base + search.search(priced, start_mem, start_t, None if search.by_memory else target)
     effects = in_base + effects
     measured = time.perf_counter()
@@ -776,7 +838,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         notes.append(f"budget: {target / 2**20:.1f} MiB")
     if search.max_t is not None:
         notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
-    notes += _effect_notes(effects, chosen, in_base, base_steps)
+    notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
     for row in tried:
         if str(row.plan) in search.ratios:
             timings = search.ratios[str(row.plan)]

@@ -8,6 +8,8 @@ boundaries (``zero_grad``, ``forward``, ...) to the same timeline, so one list d
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +30,39 @@ class Event:
     bytes: int
 
 
-class ModuleLog:
+class _Hooked:
+    """A context manager that hooks every named module's forward (``_pre`` and ``_post`` give
+    each module's hooks) and knows, from the harness's phase marks, when forwards are a recompute
+    in backward."""
+
+    model: nn.Module
+    in_backward: bool = False
+
+    def _pre(self, name: str) -> Callable:
+        raise NotImplementedError
+
+    def _post(self, name: str) -> Callable:
+        raise NotImplementedError
+
+    def mark(self, phase: str) -> None:
+        # Backward comes right after the loss phase ends; forward hooks firing then are a recompute.
+        self.in_backward = phase == "loss"
+
+    def __enter__(self) -> "_Hooked":
+        self._handles = []
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.in_backward = False
+
+
+class ModuleLog(_Hooked):
     """Context manager: log ``probe()`` at each module's forward start/end and backward end.
 
     A module's backward end is when the gradient of its first input that requires grad is
@@ -47,14 +81,11 @@ class ModuleLog:
         self.model = model
         self.probe = probe
         self.events: list[Event] = []
-        self.in_backward = False
-        self._handles: list[Any] = []
 
     def mark(self, phase: str) -> None:
         """Record the end of a phase of the step (the harness calls this after each phase)."""
         self.events.append(Event("", phase, self.probe()))
-        # Backward comes right after the loss phase ends; forward hooks firing then are a recompute.
-        self.in_backward = phase == "loss"
+        super().mark(phase)
 
     def _pre(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -80,18 +111,6 @@ class ModuleLog:
             self.events.append(Event(name, "backward_end", self.probe()))
 
         return hook
-
-    def __enter__(self) -> "ModuleLog":
-        for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.in_backward = False
 
     def contributors(self) -> list[tuple[str, int]]:
         """(module, bytes its forward added and kept), largest first; see :func:`contributors`."""
@@ -126,3 +145,62 @@ def contributors(events: list[Event], units: set[str] | None = None) -> list[tup
         elif e.event == "forward_end" and e.module in start:
             added[e.module] = added.get(e.module, 0) + e.bytes - start.pop(e.module)
     return sorted(added.items(), key=lambda kv: -kv[1])
+
+
+class ForwardTimes(_Hooked):
+    """Context manager: how long each named module's forward takes, per iteration run inside it.
+
+    On CUDA a forward is timed by events recorded on the stream before and after it (GPU time,
+    read once at the end, so nothing waits in between); elsewhere by the clock. Every module is
+    timed in the same iterations, so a slow stretch of a shared GPU falls on all of them alike.
+    Forwards during backward (a checkpointed region's recompute) are not counted. The harness
+    calls :meth:`mark` at each phase end, as for :class:`ModuleLog`, and :meth:`next_iteration`
+    after each iteration.
+
+    Example::
+
+        >>> with ForwardTimes(model, cuda=True) as times:
+        ...     for _ in range(3):
+        ...         step(times.mark); times.next_iteration()
+        >>> times.ms()["layer1"]   # median over the iterations
+    """
+
+    def __init__(self, model: nn.Module, cuda: bool) -> None:
+        self.model, self.cuda = model, cuda
+        self.iterations: list[dict[str, list[tuple[Any, Any]]]] = [{}]
+        self._started: dict[str, list[Any]] = {}
+
+    def _stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def next_iteration(self) -> None:
+        self.iterations.append({})
+
+    def _pre(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not self.in_backward:
+                self._started.setdefault(name, []).append(self._stamp())
+
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if not self.in_backward and self._started.get(name):
+                self.iterations[-1].setdefault(name, []).append((self._started[name].pop(), self._stamp()))
+
+        return hook
+
+    def ms(self) -> dict[str, float]:
+        """Per module, the median over the iterations of its forwards' milliseconds in each (a
+        module called twice in an iteration counts both calls)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        elapsed = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        per_iteration = [{name: sum(elapsed(a, b) for a, b in spans) for name, spans in it.items()}
+                         for it in self.iterations if it]
+        names = {name for it in per_iteration for name in it}
+        return {name: statistics.median(it.get(name, 0.0) for it in per_iteration) for name in names}

@@ -39,7 +39,7 @@ from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import require_module
-from .modules import Event, ModuleLog
+from .modules import Event, ForwardTimes, ModuleLog
 from .ranks import gather, local, rank_and_world
 from .saved import SavedTensors
 
@@ -585,6 +585,30 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
                 out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
             r += 1
     return timings()
+
+
+def forward_times(model: nn.Module, batch: Any, options: Options = Options()) -> dict[str, float]:
+    """Each named module's forward time in a training iteration, in milliseconds (GPU time on
+    CUDA): the median over ``options.iterations`` iterations after ``options.warmup``; the model
+    is restored afterwards, as by :func:`measure`. What recomputing a region in backward costs,
+    read for every region from the same iterations: on a shared GPU one row per region differs
+    from the next by more than a region's recompute takes.
+
+    Example::
+
+        >>> forward_times(model, batch, Options(device="cuda"))["layer1"]
+        4.1
+    """
+    device = resolve_device(options.device)
+    with restored(require_module(model, "forward_times()")):
+        step, _ = _setup(model, batch, options, device)
+        for _ in range(options.warmup):
+            step()
+        with ForwardTimes(model, device.type == "cuda") as times:
+            for _ in range(options.iterations):
+                step(times.mark)
+                times.next_iteration()
+        return times.ms()
 
 
 def _transfers(model: nn.Module, reset: bool = False) -> dict[str, int]:
