@@ -462,7 +462,8 @@ class _Scripted:
     def blocks(self, plan) -> int:
         return sum(len(s.targets(mlp()).matched) for s in plan.steps)
 
-    def verify(self, rounds: int = 4):
+    def verify(self, rounds: int = 4, in_turns=None):
+        """``in_turns(n)``: the ratios of n blocks' rounds timed in turns with the baseline, if any."""
         import dataclasses
         import sys
 
@@ -475,6 +476,9 @@ class _Scripted:
             def measure_chosen(self, plan, isolate=True):  # each plan measured once, as _Rows caches
                 if (str(plan), isolate and script.cuda) not in script.measured:
                     script.measured.append((str(plan), isolate and script.cuda))
+                if in_turns is not None:
+                    ratios = in_turns(script.blocks(plan))
+                    self.ratios[str(plan)] = (sw.Timing((8.0,) * len(ratios)), sw.Timing(tuple(8.0 * r for r in ratios)))
                 return Row(plan, dataclasses.replace(script.prof, step_ms=script.ms(script.blocks(plan))))
 
         search = Search(self, mlp(), lambda r: 1000 - 100 * self.blocks(r.plan), 1000.0, 8.0, None, 10.0, False,
@@ -494,6 +498,18 @@ def test_without_a_budget_a_plan_that_fits_is_grown_while_its_measured_time_leav
     assert search.fits(best)
     fresh = [text for text, isolated in script.measured if isolated]
     assert fresh == ([str(best.plan)] if cuda else [])  # only the answer measured fresh
+
+
+def test_a_plan_that_fits_is_grown_only_into_the_room_its_timing_in_turns_surely_leaves():
+    # One block: its row reads 8.5 ms, room for another at 1.5 ms under the 10 ms limit. Timed in
+    # turns it is 1.1x the baseline (8.8 ms) by its median, but up to 1.24x (9.92 ms): no room.
+    script = _Scripted(lambda n: 8 + 0.5 * n, cost=1.5)
+    search, tried, best = script.verify(in_turns=lambda n: [1.0, 1.05, 1.1, 1.2, 1.24])
+    assert [script.blocks(r.plan) for r in tried] == [1] and search.fits(best)
+    # Tight timings at 1.0x leave the room, and the plan grows.
+    script = _Scripted(lambda n: 8 + 0.5 * n, cost=1.5)
+    search, tried, best = script.verify(in_turns=lambda n: [1.0, 1.0, 1.0, 1.01, 1.01] if n == 1 else [1.2] * 5)
+    assert [script.blocks(r.plan) for r in tried] == [1, 2]
 
 
 def test_a_grown_plan_over_the_time_limit_leaves_the_smaller_one_the_answer_measured_fresh():

@@ -465,11 +465,15 @@ class _Search:
         forward = self.rows.forward_ms(Plan(base_steps)) if any(c.covers for c in rest) else {}
         return _effects(rest, rows[1:], base, self.metric), (rows if base_steps else rows[1:]), mem, t, forward
 
-    def measured_t(self, row: Row) -> float:
+    def measured_t(self, row: Row, upper: bool = False) -> float:
         """A chosen plan's step time as the limit is decided on it: the baseline's times its ratio
-        timed in turns with it, or else its row's own."""
+        timed in turns with it (``upper``: the top of the ratio's interval, what the plan takes at
+        most, with :data:`CONFIDENCE`), or else its row's own."""
         timings = self.ratios.get(str(row.plan))
-        return paired_ratio(*timings)[0] * self.base_t if timings is not None else row.profile.step_ms
+        if timings is None:
+            return row.profile.step_ms
+        ratio, _, high = ratio_interval(*timings)
+        return (high if upper else ratio) * self.base_t
 
     def verify(self, chosen: list[Effect], in_base: list[Effect], effects: list[Effect], rounds: int,
                progress: Progress | None, done: int, start: tuple[float, float] | None = None) -> list[Row]:
@@ -487,8 +491,9 @@ class _Search:
         - Over budget: the next candidates are added.
         - Without a budget (the least memory within the time limit), a plan that fits is grown
           while rounds are left: the smallest set of what is left, predicted from the plan's own
-          measured time, is added, since the candidates' single rows may have overstated their
-          cost; the smallest plan that fitted is then the one measured fresh.
+          measured time (the top of its ratio's interval, where it was timed in turns), is
+          added, since the prices may have overstated the cost; the smallest plan that fitted
+          is then the one measured fresh.
 
         Costs are only raised and what was dropped is not added back, so rounds cannot swing
         between two plans; a plan is measured once."""
@@ -504,7 +509,9 @@ class _Search:
             # Refined in this process (seconds: a copy of the model), answered from a fresh one (on
             # an H100, 12 s a resnet152 row, most of it the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
-            nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), row.profile.step_ms) \
+            # Grown into the room the plan surely leaves: its row's own time, or even its median in
+            # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
+            nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
             if not nxt and (self.fits(row) or self.by_memory):
                 row = self.measure_chosen(plan)
