@@ -696,29 +696,52 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
 
 
 @pytest.mark.parametrize("cuda", [True, False])
-def test_on_cuda_the_base_runs_once_before_the_row_every_candidate_is_read_against(cuda, monkeypatch):
+def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are_read_from(cuda, monkeypatch):
     import sys
 
     from shrinkwrap.measure.step import Options
 
     ap = sys.modules["shrinkwrap.autoplan"]
-    measured = []
-    real = ap.measure_plans
+    events = []
+    real_rows, real_build, real_timing = ap.measure_plans, ap._build, ap.time_interleaved
 
-    def recording(make, plans, batch, options, **kw):
-        measured.extend(str(p) for p in plans)
-        return real(make, plans, batch, options, **kw)
+    def rows_of(make, plans, batch, options, **kw):
+        events.extend(("row", str(p)) for p in plans)
+        return real_rows(make, plans, batch, options, **kw)
 
-    monkeypatch.setattr(ap, "measure_plans", recording)
+    def built(local, dev, plan):
+        events.append(("built", str(plan)))
+        return real_build(local, dev, plan)
+
+    def timed(models, *args, **kw):
+        events.extend(("ran", name) for name in models)
+        return real_timing(models, *args, **kw)
+
+    monkeypatch.setattr(ap, "measure_plans", rows_of)
+    monkeypatch.setattr(ap, "_build", built)
+    monkeypatch.setattr(ap, "time_interleaved", timed)
     rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
     search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
     baseline = rows([sw.Plan()], False)[0]
-    measured.clear()
+    whole = [c for c in candidates(mlp(), device="cpu") if not c.covers]
+    events.clear()
+    search.base(whole)
+    warmed = [("built", str(c)) for c in whole] if cuda else []
+    assert [e for e in events if e[0] == "built"] == warmed
+    assert [e for e in events if e[0] == "row"] == [("row", str(c)) for c in whole]  # the baseline's row is kept
+    if cuda:
+        assert events.index(("built", str(whole[-1]))) < events.index(("row", str(whole[0])))
+    rows.close()
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
+    search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
+    events.clear()
     rest = [c for c in candidates(mlp(), device="cpu") if c.covers][:2]
     search.on_top((sw.swish(),), rest, baseline)
-    base = "swish()"
-    assert measured[0] == base and measured.count(base) == (2 if cuda else 1) and len(measured) == len(rest) + (
-        2 if cuda else 1)
+    assert [e for e in events if e[0] == "row"] == [("row", "swish()")] + [("row", f"swish(), {c}") for c in rest]
+    # Warmed up (on CUDA) before its row; built once more after the rows, to time each module's forward.
+    assert events[0] == (("built", "swish()") if cuda else ("row", "swish()"))
+    assert events[-1] == ("built", "swish()")
+    assert [e for e in events if e[0] == "built"] == [("built", "swish()")] * (2 if cuda else 1)
     rows.close()
 
 

@@ -306,13 +306,17 @@ class _Rows:
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
     def warm_up(self, plan: Plan) -> None:
-        """Run ``plan``'s row in this process once and throw it away, unless it ran here already.
+        """Run ``plan`` for a few iterations in this process, unless its row ran here already:
+        what its layout and types use first (cuDNN's choice of kernels) is then not in its row.
         On an H100 the first efficientnet_b0 row with ``channels_last(), autocast(bf16)`` in a
         process stepped in 48 ms and the next in 39 ms (its first step took 14.5 s: cuDNN's first
         use of that layout and type); measured cold, the base read slow, and every candidate on
-        top of it read faster than it, down to -17 ms, so the search took them all."""
+        top of it read faster than it, down to -17 ms, so the search took them all. resnet18's
+        first ``autocast(bf16)`` row read +31.6 ms over a 28 ms baseline, and the search left it."""
         if (str(plan), False) not in self.cache:
-            self._here(plan)
+            self.measured_here = True
+            model = _build(self.local, resolve_device(self.options.device), plan)
+            time_interleaved({"warm-up": model}, self.batch, self.options_for(plan), rounds=1, per_round=2)
 
     def _here(self, plan: Plan) -> Row:
         """``plan``'s row in this process, on a copy of the model, without the per-module log."""
@@ -440,6 +444,9 @@ class _Search:
         usually) form the base that every other candidate is then measured on top of, so that what
         autocast does to a checkpoint's saving and cost is measured, not guessed. Returns the
         chosen effects, the rows, and the baseline measured as the candidates are."""
+        if self.rows.cuda and not self.isolate_candidates:
+            for c in whole:
+                self.rows.warm_up(Plan(c.steps))
         rows = self.rows([Plan()] + [Plan(c.steps) for c in whole], self.isolate_candidates)
         effects = _effects(whole, rows[1:], rows[0], self.metric)
         # Predictions start from the isolated baseline and add the measured deltas: the limits are
