@@ -783,3 +783,18 @@ def test_a_plan_over_its_limit_scales_every_region_priced_by_its_forward_by_what
     assert sorted(e.cost for e in shared.values()) == [2.5, 2.5]
 
 
+
+
+def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row_to_report():
+    import sys
+
+    from shrinkwrap.measure.step import Options
+
+    ap = sys.modules["shrinkwrap.autoplan"]
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    bad = sw.Plan.parse("checkpoint('no_such_module')")
+    rows.warm_up(bad)  # no exception: the row below reports it
+    assert rows.forward_ms(bad) == {}
+    (row,) = rows([bad], False)
+    assert row.profile is None and "no_such_module" in row.error
+    rows.close()

@@ -338,12 +338,13 @@ def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_rec
             time.sleep(self.seconds)
             return torch.tanh(self.lin(x))
 
-    model = nn.Sequential(Slow(0.03), Slow(0.0), nn.Linear(4, 1))
-    sw.apply_checkpoint(model, "0")  # its recompute in backward sleeps again: not a forward
+    # The recompute in backward runs 0.0 to its end again (what 0.1 and 0.2 saved comes after it): not a forward.
+    model = nn.Sequential(nn.Sequential(Slow(0.03), nn.Linear(4, 4), nn.Tanh()), Slow(0.0), nn.Linear(4, 1))
+    sw.apply_checkpoint(model, "0")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ms = forward_times(model, torch.randn(8, 4), sw.Options(device="cpu", warmup=1, iterations=3))
-    assert 30 <= ms["0"] < 60 and ms["1"] < 30 and ms["2"] < 30  # counted twice it would be 60 and more
-    assert ms[""] >= ms["0"] + ms["1"] + ms["2"]  # the root holds its children
+    assert 30 <= ms["0.0"] < 60 and ms["1"] < 30 and ms["2"] < 30  # counted twice it would be 60 and more
+    assert ms["0"] >= ms["0.0"] and ms[""] >= ms["0"] + ms["1"] + ms["2"]  # a module holds its children
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # restored
 
 

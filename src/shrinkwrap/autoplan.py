@@ -232,9 +232,12 @@ def within_slowdown(baseline: Timing, plan: Timing, max_slowdown: float, toleran
 
 def slowdown_decided(baseline: Timing, plan: Timing, max_slowdown: float, tolerance: float = 0.03) -> bool:
     """Whether the rounds so far decide :func:`within_slowdown` beyond the noise: the interval of
-    :func:`ratio_interval` lies wholly within the limit or wholly over it. On an H100, five rounds
-    of resnet152 in turns gave ratios spread over 36%: a plan at 1.108x by its median was taken as
-    within a 1.0x limit, since the old rule let half the spread excuse it."""
+    :func:`ratio_interval` lies wholly within the limit or wholly over it (never with fewer than
+    four paired rounds, whose widest interval holds the median with less than 80%). On an H100,
+    five rounds of resnet152 in turns gave ratios spread over 36%: a plan at 1.108x by its median
+    was taken as within a 1.0x limit, since the old rule let half the spread excuse it."""
+    if len(baseline.rounds_ms) == len(plan.rounds_ms) < 4:
+        return False
     _, low, high = ratio_interval(baseline, plan)
     limit = max_slowdown * (1 + tolerance)
     return high <= limit or low > limit
@@ -315,8 +318,11 @@ class _Rows:
         first ``autocast(bf16)`` row read +31.6 ms over a 28 ms baseline, and the search left it."""
         if (str(plan), False) not in self.cache:
             self.measured_here = True
-            model = _build(self.local, resolve_device(self.options.device), plan)
-            time_interleaved({"warm-up": model}, self.batch, self.options_for(plan), rounds=1, per_round=2)
+            try:
+                model = _build(self.local, resolve_device(self.options.device), plan)
+                time_interleaved({"warm-up": model}, self.batch, self.options_for(plan), rounds=1, per_round=2)
+            except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
+                pass
 
     def _here(self, plan: Plan) -> Row:
         """``plan``'s row in this process, on a copy of the model, without the per-module log."""
@@ -331,7 +337,7 @@ class _Rows:
         try:
             model = _build(self.local, resolve_device(self.options.device), plan)
             return forward_times(model, self.batch, self.options_for(plan))
-        except (RuntimeError, torch.OutOfMemoryError):
+        except Exception:  # noqa: BLE001 - the base's row records what failed; regions are then priced by their rows
             return {}
 
     @property
@@ -489,8 +495,9 @@ class _Search:
 
         - Over the time limit: the candidates' costs were read from one row each, and the chosen
           ones partly because their rows read cheap. What the plan took beyond its prediction
-          (from ``start``, the base's predicted memory and time) is shared among the candidates
-          chosen on top of the base, and the search runs again with those costs: on an H100,
+          (from ``start``, the base's predicted memory and time) raises the costs
+          (:func:`_raised`: every region priced by its forward time scaled alike, or else a
+          share for each candidate chosen on top of the base), and the search runs again: on an H100,
           resnet152's first plan for a 1.5x limit timed 2.59x, and dropping the costliest
           candidate one round at a time still left 1.67x after four rounds. Where that finds
           nothing new, the costliest is dropped (what was measured on top of the base first:
@@ -695,7 +702,7 @@ def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Eff
         why = ("taken" if id(e.candidate) in taken else "left") + f": {e.candidate} saves " \
               f"{e.saving / 2**20:.1f} MiB, {e.cost:+.1f} ms {where}"
         if id(e.candidate) in forward:
-            why += f" (priced by its forward time at {forward[id(e.candidate)]:.1f} ms)"
+            why += f" (priced at {forward[id(e.candidate)]:.1f} ms: its forward time, scaled)"
         if e.error:
             why = f"left: {e.candidate} failed ({e.error})"
         elif id(e.candidate) not in taken and e.saving <= 0:

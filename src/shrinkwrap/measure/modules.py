@@ -50,9 +50,15 @@ class _Hooked:
 
     def __enter__(self) -> "_Hooked":
         self._handles = []
-        for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
+        try:
+            for name, module in self.model.named_modules():
+                if isinstance(module, torch.jit.ScriptModule):  # takes no Python hooks
+                    continue
+                self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+                self._handles.append(module.register_forward_hook(self._post(name)))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -150,8 +156,8 @@ def contributors(events: list[Event], units: set[str] | None = None) -> list[tup
 class ForwardTimes(_Hooked):
     """Context manager: how long each named module's forward takes, per iteration run inside it.
 
-    On CUDA a forward is timed by events recorded on the stream before and after it (GPU time,
-    read once at the end, so nothing waits in between); elsewhere by the clock. Every module is
+    On a CUDA ``device`` a forward is timed by events recorded on its stream before and after it
+    (GPU time, read once at the end, so nothing waits in between); else by the clock. Every module is
     timed in the same iterations, so a slow stretch of a shared GPU falls on all of them alike.
     Forwards during backward (a checkpointed region's recompute) are not counted. The harness
     calls :meth:`mark` at each phase end, as for :class:`ModuleLog`, and :meth:`next_iteration`
@@ -159,22 +165,22 @@ class ForwardTimes(_Hooked):
 
     Example::
 
-        >>> with ForwardTimes(model, cuda=True) as times:
+        >>> with ForwardTimes(model, torch.device("cuda")) as times:
         ...     for _ in range(3):
         ...         step(times.mark); times.next_iteration()
         >>> times.ms()["layer1"]   # median over the iterations
     """
 
-    def __init__(self, model: nn.Module, cuda: bool) -> None:
-        self.model, self.cuda = model, cuda
+    def __init__(self, model: nn.Module, device: torch.device | None) -> None:
+        self.model, self.device = model, device  # a CUDA device, or None: the clock
         self.iterations: list[dict[str, list[tuple[Any, Any]]]] = [{}]
         self._started: dict[str, list[Any]] = {}
 
     def _stamp(self) -> Any:
-        if not self.cuda:
+        if self.device is None:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def next_iteration(self) -> None:
@@ -197,9 +203,9 @@ class ForwardTimes(_Hooked):
     def ms(self) -> dict[str, float]:
         """Per module, the median over the iterations of its forwards' milliseconds in each (a
         module called twice in an iteration counts both calls)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        elapsed = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        elapsed = (lambda a, b: a.elapsed_time(b)) if self.device is not None else (lambda a, b: (b - a) * 1e3)
         per_iteration = [{name: sum(elapsed(a, b) for a, b in spans) for name, spans in it.items()}
                          for it in self.iterations if it]
         names = {name for it in per_iteration for name in it}

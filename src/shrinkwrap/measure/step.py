@@ -558,13 +558,16 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
     model gets ``options.warmup`` iterations first (compilation happens there), then ``rounds``
     rounds of ``per_round`` iterations each; models are restored afterwards, as by :func:`measure`.
     With ``until``, rounds go on one at a time after the first ``rounds`` while ``until(timings so
-    far)`` is false, up to ``max_rounds`` in all: as many repeats as a decision needs.
+    far)`` is false, up to ``max_rounds`` in all (which ``until`` needs): as many repeats as a
+    decision needs.
 
     Example::
 
         >>> t = time_interleaved({"fp32": plain, "plan": transformed}, batch, Options(device="cuda"))
         >>> t["plan"].median / t["fp32"].median, t["plan"].spread
     """
+    if rounds < 1 or (until is not None and max_rounds is None):
+        raise ValueError("shrinkwrap: time_interleaved needs rounds >= 1, and max_rounds with until")
     device = resolve_device(options.device)
     with contextlib.ExitStack() as stack:
         steps = {}
@@ -580,7 +583,7 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
             return {name: Timing(tuple(times)) for name, times in out.items()}
 
         r = 0
-        while r < rounds or (until is not None and r < (max_rounds or rounds) and not until(timings())):
+        while r < rounds or (until is not None and r < max_rounds and not until(timings())):
             for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
                 out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
             r += 1
@@ -604,7 +607,7 @@ def forward_times(model: nn.Module, batch: Any, options: Options = Options()) ->
         step, _ = _setup(model, batch, options, device)
         for _ in range(options.warmup):
             step()
-        with ForwardTimes(model, device.type == "cuda") as times:
+        with ForwardTimes(model, device if device.type == "cuda" else None) as times:
             for _ in range(options.iterations):
                 step(times.mark)
                 times.next_iteration()
