@@ -184,12 +184,19 @@ def paired_ratio(baseline: Timing, plan: Timing) -> tuple[float, float]:
     ratio, without the highest and the lowest where there are five rounds or more, so that one
     hiccup of the shared GPU is not taken for noise. Timings of unequal rounds: the medians' ratio
     and the wider of their spreads."""
-    if len(baseline.rounds_ms) != len(plan.rounds_ms):
+    ratios = _round_ratios(baseline, plan)
+    if ratios is None:
         return plan.median / baseline.median, max(baseline.spread, plan.spread)
-    ratios = sorted(p / b for p, b in zip(plan.rounds_ms, baseline.rounds_ms))
     ratio = statistics.median(ratios)
     kept = ratios[1:-1] if len(ratios) >= 5 else ratios
     return ratio, (kept[-1] - kept[0]) / ratio
+
+
+def _round_ratios(baseline: Timing, plan: Timing) -> list[float] | None:
+    """The rounds' ratios plan/baseline, sorted; None for timings of unequal rounds (not paired)."""
+    if len(baseline.rounds_ms) != len(plan.rounds_ms):
+        return None
+    return sorted(p / b for p, b in zip(plan.rounds_ms, baseline.rounds_ms))
 
 
 def ratio_interval(baseline: Timing, plan: Timing, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
@@ -206,10 +213,10 @@ def ratio_interval(baseline: Timing, plan: Timing, confidence: float = CONFIDENC
         >>> ratio_interval(Timing((10.0,) * 5), Timing((10.5, 10.2, 10.4, 10.3, 13.0)))
         (1.04, 1.02, 1.3)
     """
-    if len(baseline.rounds_ms) != len(plan.rounds_ms):
+    ratios = _round_ratios(baseline, plan)
+    if ratios is None:
         ratio, half = plan.median / baseline.median, max(baseline.spread, plan.spread) / 2
         return ratio, ratio * (1 - half), ratio * (1 + half)
-    ratios = sorted(p / b for p, b in zip(plan.rounds_ms, baseline.rounds_ms))
     n, k = len(ratios), 1
     while k < (n + 1) // 2 and 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n >= confidence:
         k += 1
@@ -308,6 +315,10 @@ class _Rows:
             self.cache[str(plan), isolate] = row
         return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
 
+    def model(self, plan: Plan) -> nn.Module:
+        """A copy of the model on the device, with ``plan`` applied: what this process runs."""
+        return _build(self.local, resolve_device(self.options.device), plan)
+
     def warm_up(self, plan: Plan) -> None:
         """Run ``plan`` for a few iterations in this process, unless its row ran here already:
         what its layout and types use first (cuDNN's choice of kernels) is then not in its row.
@@ -319,8 +330,8 @@ class _Rows:
         if (str(plan), False) not in self.cache:
             self.measured_here = True
             try:
-                model = _build(self.local, resolve_device(self.options.device), plan)
-                time_interleaved({"warm-up": model}, self.batch, self.options_for(plan), rounds=1, per_round=2)
+                time_interleaved({"warm-up": self.model(plan)}, self.batch, self.options_for(plan), rounds=1,
+                                 per_round=2)
             except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
                 pass
 
@@ -335,8 +346,7 @@ class _Rows:
         nothing where the plan cannot run."""
         self.measured_here = True
         try:
-            model = _build(self.local, resolve_device(self.options.device), plan)
-            return forward_times(model, self.batch, self.options_for(plan))
+            return forward_times(self.model(plan), self.batch, self.options_for(plan))
         except Exception:  # noqa: BLE001 - the base's row records what failed; regions are then priced by their rows
             return {}
 
@@ -425,8 +435,7 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
-        dev = resolve_device(self.rows.options.device)
-        models = {"baseline": _build(self.rows.local, dev, Plan()), "plan": _build(self.rows.local, dev, plan)}
+        models = {"baseline": self.rows.model(Plan()), "plan": self.rows.model(plan)}
         timings = time_interleaved(
             models, self.rows.batch, self.rows.options_for(plan), rounds=5, per_round=self.rows.options.iterations,
             until=lambda t: slowdown_decided(t["baseline"], t["plan"], self.max_slowdown, self.tolerance),
@@ -633,15 +642,15 @@ def _priced(effects: list[Effect], forward: dict[str, float]) -> list[Effect]:
     def region(e: Effect) -> bool:
         return bool(e.candidate.covers) and all(s.recomputes for s in e.candidate.steps) and not e.error
 
-    def timed(e: Effect) -> float:
-        return sum(forward.get(name, 0.0) for name in e.candidate.covers)
-
-    known = [e for e in effects if region(e) and all(n in forward for n in e.candidate.covers) and timed(e) > 0]
-    scale = max(1.0, statistics.median(e.cost / timed(e) for e in known)) if known else 1.0
+    # Each region's forward time, where all its modules were timed and it took any.
+    timed = [sum(forward[n] for n in e.candidate.covers) if region(e) and all(n in forward for n in e.candidate.covers)
+             else 0.0 for e in effects]
+    ratios = [e.cost / t for e, t in zip(effects, timed) if t > 0]
+    scale = max(1.0, statistics.median(ratios)) if ratios else 1.0
     out = []
-    for e in effects:
-        if any(e is k for k in known):
-            e = dataclasses.replace(e, cost=scale * timed(e), priced_by_forward=True)
+    for e, t in zip(effects, timed):
+        if t > 0:
+            e = dataclasses.replace(e, cost=scale * t, priced_by_forward=True)
         elif region(e) and e.cost < 0:
             e = dataclasses.replace(e, cost=0.0)
         out.append(e)
