@@ -75,12 +75,12 @@ class Profile:
     (graphs compiled after warm-up: a timed iteration that recompiles is not a steady state)
     come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
     (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
-    again, and that program is not the one measured. ``cuda_graphs``: the model recorded CUDA
-    graphs in warm-up (``mode='reduce-overhead'``). A replayed graph writes into its private
-    memory pool without the allocator's counters seeing it, so the steady figures then count
-    every private pool's reserved bytes as in use throughout the step (``graph_pool``), and the
-    gradients living in it as static: an upper bound, where the counters alone would show
-    almost nothing.
+    again, and that program is not the one measured. ``cuda_graphs``: the model's backward runs
+    as a CUDA graph (``mode='reduce-overhead'``; seen by its gradients lying in a private memory
+    pool). A replayed graph writes into its pool without the allocator's counters seeing it, so
+    the steady figures then count every private pool's reserved bytes (``graph_pool``) as in use
+    throughout the step, and the gradients in it as static: an upper bound (other graphed models
+    of the process included), where the counters alone would show almost nothing.
 
     Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
     ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
@@ -487,20 +487,18 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     compiled = is_compiled(model)
     counts = _dynamo_counts if compiled else (lambda: (0, 0))
     graphs_start, breaks_start = counts()
-    graphs_before = _graph_nodes(device) if compiled and cuda else 0
     _clean(device)
     first: list[Phase] = []
     first_ms = _timed(lambda: first.extend(_phases(step, device)) if cuda else step(), device, 1)[0]
     for _ in range(options.warmup - 1):
         step()
     graphs_warm, _ = counts()
-    cuda_graphs = compiled and cuda and _graph_nodes(device) > graphs_before
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady = _phases(step, device) if cuda else []
-    pool = None
+    pool, pooled_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
+    cuda_graphs = pooled_grads > 0  # its backward wrote them there: a graph it replays
     if cuda_graphs:
-        pool, pooled_grads = _graph_pools(device, [p.grad for p in model.parameters()])
         static += pooled_grads
         steady = [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
     _transfers(model, reset=True)
@@ -542,7 +540,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
         cuda_graphs=cuda_graphs,
-        graph_pool=pool,
+        graph_pool=pool if cuda_graphs else None,
     )
 
 
@@ -649,29 +647,10 @@ def is_compiled(model: nn.Module) -> bool:
         getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
-def _graph_nodes(device: torch.device) -> int:
-    """CUDA graphs recorded so far on ``device`` by torch.compile's CUDA graph trees: it grows
-    while a model records. torch has no public count; where its private tree manager is not as
-    read here, the bytes of the private pools stand in (they grow while the first model records)."""
-    try:
-        from torch._inductor import cudagraph_trees
-
-        manager = cudagraph_trees.get_manager(_index(device), create_if_none_exists=False)
-        if manager is None or manager.roots is None:
-            return 0
-        return sum(1 + node.num_descendants() for nodes in manager.roots.values() for node in nodes)
-    except Exception:  # noqa: BLE001 - torch internals moved: fall back to the allocator's view
-        return _graph_pools(device, [])[0]
-
-
-def _index(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
     """Bytes reserved on ``device`` in private memory pools (CUDA graphs'), and the bytes of
     ``grads`` whose storage lies in them."""
-    index = _index(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
     spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
              if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
     pooled = [g for g in grads if g is not None and any(a <= g.data_ptr() < b for a, b in spans)]
