@@ -387,7 +387,7 @@ def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int 
         if t is not None:
             row.update(step_ms=round(t.median, digits), step_ms_low=round(min(t.rounds_ms), digits),
                        step_ms_high=round(max(t.rounds_ms), digits), step_ms_rounds=[round(x, 3) for x in t.rounds_ms])
-        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
+        row.update(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none", torch=torch.__version__, date=datetime.date.today().isoformat(),
                    **extra)
     return rows
 

@@ -5,7 +5,8 @@ gradients (gathered: ``full_tensor()``), parameters and BatchNorm statistics aft
 each rank with its own batch. Tolerances as the single-process suites: checkpoint bit for bit
 (float64); bn_act to float64 rounding (``FUSED``: its backward recomputes the BatchNorm output in
 another order of operations). autocast (the model in float32): losses, and the parameters and
-statistics as a whole, to bfloat16 rounding (``TOL_BF16``, relative); gradients are not compared
+statistics as a whole, to bfloat16 rounding (``TOL_BF16``, relative) or as close as
+``torch.autocast`` by hand comes, where the GPU's bf16 kernels move it further; gradients are not compared
 with float32's (on this small BatchNorm net bf16 moves them 10-20% in one process too: BatchNorm's
 backward cancels), but with every rank given the same batch, the plan under FSDP or DDP trains bit
 for bit as the same plan in one process: the engine adds nothing to what the plan computes.
@@ -100,20 +101,27 @@ def gathered(trace: Trace) -> Trace:
     return Trace([full(t) for t in trace.losses], [names(step) for step in trace.grads], names(trace.state))
 
 
-def assert_bf16(ref: Trace, got: Trace) -> None:
-    """Equal to bfloat16 rounding: each loss, and the parameters and statistics after training as a
-    whole, within TOL_BF16 relative error; the same gradient names; integers (num_batches_tracked)
-    exactly."""
+class HandAutocast(Net):
+    """Net with ``torch.autocast(bfloat16)`` around its forward, as a user writes it by hand."""
+
+    def forward(self, x, scale=1.0):
+        with torch.autocast(device().type, torch.bfloat16):
+            return super().forward(x, scale)
+
+
+def bf16_error(ref: Trace, got: Trace) -> float:
+    """How far ``got`` trained from ``ref``: the largest relative error of a loss, and of the
+    parameters and statistics after training as a whole. The gradient names must be the same and
+    the integers (num_batches_tracked) equal."""
     assert [list(g) for g in ref.grads] == [list(g) for g in got.grads] and list(ref.state) == list(got.state)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return (torch.linalg.norm((b - a).double()) / torch.linalg.norm(a.double())).item()
 
-    assert all(err(a, b) <= TOL_BF16 for a, b in zip(ref.losses, got.losses)), (ref.losses, got.losses)
     floats = [n for n, t in ref.state.items() if t.is_floating_point()]
-    whole = err(torch.cat([ref.state[n].flatten() for n in floats]), torch.cat([got.state[n].flatten() for n in floats]))
-    assert whole <= TOL_BF16, whole
     assert all(torch.equal(ref.state[n], got.state[n]) for n in ref.state if n not in floats)
+    whole = err(torch.cat([ref.state[n].flatten() for n in floats]), torch.cat([got.state[n].flatten() for n in floats]))
+    return max([whole, *(err(a, b) for a, b in zip(ref.losses, got.losses))])
 
 
 def trains_like_without_the_plan(wrap: str, plan: str, dtype: torch.dtype, tol) -> None:
@@ -125,7 +133,12 @@ def trains_like_without_the_plan(wrap: str, plan: str, dtype: torch.dtype, tol) 
     if tol != "bf16":
         assert_same(ref, got, **(tol or {}))
         return
-    assert_bf16(ref, got)
+    # Within bfloat16 rounding of float32, or, where the GPU's bfloat16 kernels move this small
+    # BatchNorm net further (2.1% on two H200s, 0.4% on the CPU), as close as autocast by hand.
+    torch.manual_seed(0)
+    hand = gathered(train(WRAPS[wrap](HandAutocast().to(device(), dtype)), c))
+    error, hand_error = bf16_error(ref, got), bf16_error(ref, hand)
+    assert 0 < error <= max(TOL_BF16, 1.25 * hand_error), (error, hand_error)
     same = case(dtype, same=True)
     alone = train(sw.apply(net(dtype), plan), same)  # this rank by itself, no collective
     assert_same(gathered(alone), gathered(train(WRAPS[wrap](sw.apply(net(dtype), plan)), same)))
