@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.measure import ModuleLog, SavedTensors
+from shrinkwrap.measure import step
 from shrinkwrap.measure.step import default_loss
 
 FAST = dict(iterations=1, warmup=1, device="cpu")
@@ -476,3 +477,21 @@ def test_cuda_one_warm_up_iteration_reaches_an_eager_models_steady_peak():
     batch = torch.randn(64, *tiny_efficientnet.input_shape)
     peaks = [sw.measure(tiny_efficientnet(), batch, iterations=1, warmup=w).peak for w in (1, 2, 3)]
     assert peaks[0] == peaks[1] == peaks[2]
+
+
+def test_graph_pools_counts_private_pools_and_the_gradients_inside_them(monkeypatch):
+    """The CUDA-graph reading of measure(), on a made-up allocator snapshot: only segments of a
+    private pool on the measured device count, and a gradient counts as pooled when its storage
+    starts inside one of them."""
+    inside, outside = torch.zeros(256), torch.zeros(64)
+    at = inside.untyped_storage().data_ptr()
+    segments = [
+        {"device": 0, "address": at, "total_size": inside.nbytes, "segment_pool_id": (0, 7)},  # a graph pool
+        {"device": 0, "address": outside.untyped_storage().data_ptr(), "total_size": 2048,
+         "segment_pool_id": (0, 0)},  # the default pool
+        {"device": 1, "address": outside.untyped_storage().data_ptr(), "total_size": 512,
+         "segment_pool_id": (0, 7)},  # another GPU's graph pool
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    pool, pooled = step._graph_pools(torch.device("cuda", 0), [inside, None, outside])
+    assert (pool, pooled) == (inside.nbytes, inside.nbytes)

@@ -649,11 +649,11 @@ def is_compiled(model: nn.Module) -> bool:
 
 def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
     """Bytes reserved on ``device`` in private memory pools (CUDA graphs'), and the bytes of
-    ``grads`` whose storage lies in them."""
+    ``grads`` whose storage (a DTensor's: this rank's shard) lies in them."""
     index = torch.cuda.current_device() if device.index is None else device.index
     spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
              if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
-    pooled = [g for g in grads if g is not None and any(a <= g.data_ptr() < b for a, b in spans)]
+    pooled = [g for g in grads if g is not None and any(a <= local(g).untyped_storage().data_ptr() < b for a, b in spans)]
     return sum(b - a for a, b in spans), _bytes(pooled)
 
 
