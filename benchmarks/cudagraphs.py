@@ -69,15 +69,11 @@ def configurations(model_name: str) -> dict[str, Callable[[], nn.Module]]:
             **{name: plan(text) for name, text in plans(model_name).items()}}
 
 
-def _bytes(ts: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-
 def memory_one(model_name: str, config: str, iterations: int = 2, warmup: int = 4) -> dict[str, Any]:
     """One configuration in this (fresh) process: reserved and allocated peaks of steady iterations."""
     from torch._dynamo.utils import counters
 
-    from shrinkwrap.measure.step import call_model, default_loss
+    from shrinkwrap.measure.step import _bytes, call_model, default_loss
 
     _, batch = _load(model_name, MODELS[model_name][1])
     batch = sw._tree.tree_map(lambda t: t.cuda(), batch)

@@ -75,12 +75,13 @@ class Profile:
     (graphs compiled after warm-up: a timed iteration that recompiles is not a steady state)
     come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
     (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
-    again, and that program is not the one measured. ``cuda_graphs``: the model's backward runs
-    as a CUDA graph (``mode='reduce-overhead'``; seen by its gradients lying in a private memory
-    pool). A replayed graph writes into its pool without the allocator's counters seeing it, so
-    the steady figures then count every private pool's reserved bytes (``graph_pool``) as in use
-    throughout the step, and the gradients in it as static: an upper bound (other graphed models
-    of the process included), where the counters alone would show almost nothing.
+    again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set): the
+    model's backward runs as a CUDA graph (``mode='reduce-overhead'``; seen by its gradients lying
+    in a private memory pool). A replayed graph writes into its pool without the allocator's
+    counters seeing it, so the steady figures then count every private pool's reserved bytes
+    (``graph_pool``) as in use throughout the step, and the gradients in it as static: an upper
+    bound (other graphed models of the process included), where the counters alone would show
+    almost nothing.
 
     Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
     ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
@@ -112,10 +113,13 @@ class Profile:
     first_ms: float | None = None
     recompiles: int | None = None
     graph_breaks: int | None = None
-    cuda_graphs: bool = False
     graph_pool: int | None = None
     rank: int | None = None
     ranks: list["Profile"] = field(default_factory=list)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.graph_pool is not None
 
     @property
     def peak_phase(self) -> str | None:
@@ -160,7 +164,7 @@ class Profile:
             lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
                          f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
         if self.cuda_graphs:
-            lines.append(f"  CUDA graphs: their private pools' {mib(self.graph_pool or 0)} reserved counted as in use "
+            lines.append(f"  CUDA graphs: their private pools' {mib(self.graph_pool)} reserved counted as in use "
                          "throughout the step (an upper bound)")
         for p in self.ranks:
             memory = f"peak {mib(p.peak)}" if p.peak is not None else f"saved for backward {mib(p.saved or 0)}"
@@ -497,8 +501,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady = _phases(step, device) if cuda else []
     pool, pooled_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
-    cuda_graphs = pooled_grads > 0  # its backward wrote them there: a graph it replays
-    if cuda_graphs:
+    if pooled_grads:  # its backward wrote them there: a graph it replays
         static += pooled_grads
         steady = [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
     _transfers(model, reset=True)
@@ -539,8 +542,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         first_ms=first_ms,
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
-        cuda_graphs=cuda_graphs,
-        graph_pool=pool if cuda_graphs else None,
+        graph_pool=pool if pooled_grads else None,
     )
 
 
