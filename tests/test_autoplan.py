@@ -85,6 +85,53 @@ def test_an_impossible_budget_is_an_answer_not_an_error():
     assert f"{smallest / 2**20:.1f} MiB" in msg and str(plan) in msg
 
 
+def test_a_time_limit_no_plan_meets_is_answered_with_the_model_as_it_is():
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=0.01, rounds=2, **FAST)  # nothing runs 100x faster
+    assert len(plan) == 0
+    assert any(n.startswith("no plan found within the step-time limit") and "empty plan" in n for n in report.notes)
+    assert report.notes[-1] == "plan: "
+
+
+def test_plans_within_the_budget_but_none_within_the_time_limit_answer_the_fastest_of_them():
+    plan, report = sw.autoplan(mlp, BATCH, budget=0.6, max_slowdown=0.01, rounds=3, **FAST)
+    budget = 0.6 * report.value(report.rows[0])
+    within = [r for r in report.rows if r.role == "chosen" and report.value(r) <= budget]
+    assert within and str(plan) == str(min(within, key=lambda r: r.profile.step_ms).plan)
+    assert any(n.startswith("no plan found within both limits; the fastest within the budget") for n in report.notes)
+
+
+def test_an_answer_its_fresh_process_reads_over_the_budget_hands_the_answer_to_the_next_plan():
+    import dataclasses
+    import types
+
+    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.report import Row
+
+    prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
+    here = {"checkpoint('a')": (700, 10.0), "checkpoint('b')": (750, 12.0), "checkpoint('c')": (900, 9.0)}
+    fresh = {"checkpoint('a')": 820, "checkpoint('b')": 760}  # a fresh process reads more than this one
+    memory: dict[int, float] = {}
+    measured = []
+
+    def row(text, mem, ms):
+        r = Row(sw.Plan.parse(text), dataclasses.replace(prof, step_ms=ms), role="chosen")
+        memory[id(r)] = mem
+        return r
+
+    class Search(_Search):
+        def measure_chosen(self, plan, isolate=True):
+            measured.append(str(plan))
+            return row(str(plan), fresh[str(plan)], here[str(plan)][1])
+
+    search = Search(types.SimpleNamespace(cuda=True), None, lambda r: memory[id(r)], 1000.0, 8.0, 800.0, None,
+                    False, False)
+    tried = search._fresh_answer([row(text, mem, ms) for text, (mem, ms) in here.items()])
+    best = search.final(tried)
+    assert measured == ["checkpoint('a')", "checkpoint('b')"]  # a, the fastest within, reads 820 fresh
+    assert str(best.plan) == "checkpoint('b')" and memory[id(best)] == 760
+    assert len(tried) == 3
+
+
 def test_least_memory_within_a_slowdown():
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)
     singles = [report.value(r) for r in report.rows[1:] if r.role != "chosen"]

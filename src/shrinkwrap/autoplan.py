@@ -132,7 +132,8 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     best exactly (branch and bound over every set whose candidates cover no module twice):
 
     - with a ``target``: the fastest set within it (and within ``max_t``); where no set reaches
-      the target, the smallest within ``max_t``;
+      the target, the smallest within ``max_t``; where no set is within ``max_t``, as if there
+      were no ``max_t``;
     - without: the smallest within ``max_t``, the faster of equals.
 
     A candidate that saves no memory but runs faster (``channels_last()``) is in the search too:
@@ -173,6 +174,10 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
         visit(i + 1, mem, t, chosen)
 
     visit(0, base_mem, base_t, [])
+    if best[0] == (2,) and target is not None:
+        # No set within the time limit: the budget decides alone (the fastest set within it), since
+        # a plan over the budget runs out of memory where one over the time limit runs slower.
+        return _search(effects, base_mem, base_t, target, None)
     return best[1]
 
 
@@ -581,14 +586,20 @@ class _Search:
     def _fresh_answer(self, tried: list[Row]) -> list[Row]:
         """``tried`` with the answer's figures from a fresh process: a grown plan that fitted,
         followed by a larger one that did not, was measured in this process only (measured fresh
-        now); one measured again after a drop has both rows (the fresh one kept)."""
-        best = self.final(tried)
-        if not self.rows.cuda or not self.fits(best):
-            return tried
-        fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
-        fresh.role, fresh.round = "chosen", best.round
-        last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
-        return [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
+        now); one measured again after a drop has both rows (the fresh one kept). A fresh row
+        that no longer fits (its process read more than this one) hands the answer on to the
+        next best plan, which is measured fresh in turn: each plan once, so this ends."""
+        done: set[str] = set()
+        while self.rows.cuda:
+            best = self.final(tried)
+            if not self.fits(best) or str(best.plan) in done:
+                break
+            done.add(str(best.plan))
+            fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
+            fresh.role, fresh.round = "chosen", best.round
+            last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
+            tried = [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
+        return tried
 
     def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
                  progress: Progress | None = None) -> list[Row]:
@@ -615,15 +626,21 @@ class _Search:
         return rows
 
     def final(self, tried: list[Row]) -> Row:
-        """The fastest plan that fits a budget, the smallest that fits a time limit, else the smallest."""
+        """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
+        both: the fastest within the budget (over the time limit: the budget is what keeps the
+        run from running out of memory), else the smallest. :func:`_autoplan` answers a time limit
+        without a budget that no plan met with the model as it is."""
         ok = [r for r in tried if self.fits(r)]
         if ok and self.target is not None and not self.by_memory:
             return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
         if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
             least = min(self.metric(r) for r in ok)
             return min((r for r in ok if self.metric(r) <= least * (1 + SAME_MEMORY)), key=lambda r: r.profile.step_ms)
-        measured = [r for r in tried if r.profile is not None] or tried
-        return min(measured, key=lambda r: self.metric(r) if r.profile else math.inf)
+        measured = [r for r in tried if r.profile is not None]
+        within = [r for r in measured if self.target is not None and self.metric(r) <= self.target]
+        if within:
+            return min(within, key=lambda r: (r.profile.step_ms, self.metric(r)))
+        return min(measured or tried, key=lambda r: self.metric(r) if r.profile else math.inf)
 
 
 def _priced(effects: list[Effect], forward: dict[str, float]) -> list[Effect]:
@@ -793,7 +810,9 @@ def autoplan(
     Returns ``(plan, report)``: the report lists the baseline, every candidate measured alone, the
     chosen plan's measurements and, in its notes, why each candidate was taken or left. A budget
     that cannot be reached is an answer, not an error: the notes say so and name the smallest
-    memory found, which is the returned plan's.
+    memory found, which is the returned plan's. Where plans fit the budget but none the time
+    limit, the answer is the fastest of them; a time limit without a budget that no plan meets
+    is answered with the empty plan (the model as it is). The notes say which.
 
     Example::
 
@@ -881,10 +900,18 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                          f"of {max_slowdown}x{undecided}")
     final = search.final(tried)
     if not search.fits(final):
-        notes.append(
-            f"no plan found within the limits; the smallest memory found is "
-            f"{(report.value(final) or 0) / 2**20:.1f} MiB at {final.profile.step_ms if final.profile else 0:.1f} ms, "
-            f"with plan: {final.plan}")
+        found = (f"{(report.value(final) or 0) / 2**20:.1f} MiB at "
+                 f"{final.profile.step_ms if final.profile else 0:.1f} ms, with plan: {final.plan}")
+        if target is None or search.by_memory:
+            # The least memory within a time limit that no plan met: the model as it is meets it
+            # (1.0x its own time); a plan over the limit would be a slowdown the caller ruled out.
+            notes.append(f"no plan found within the step-time limit; the smallest memory found is {found}; "
+                         "the answer is the empty plan (the model as it is)")
+            final = base
+        elif final.profile is not None and report.value(final) <= target:
+            notes.append(f"no plan found within both limits; the fastest within the budget is {found}")
+        else:
+            notes.append(f"no plan found within the limits; the smallest memory found is {found}")
     notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
                  f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
