@@ -52,6 +52,15 @@ PLANS: dict[str, dict[str, str]] = {
                                              r"autocast(torch.bfloat16), compile()",
         "sw_stem_ckpt_blocks_bf16_cl": STEM + r", checkpoint(r'layer\d\.\d+'), channels_last(), "
                                        r"autocast(torch.bfloat16), compile()",
+        # The first convolution alone as a region: its 128x64x112x112 output (196 MiB in bf16, what bn1's
+        # backward reads) and the input's bf16 copy were the largest tensors live at the budgeted
+        # plan's peak (benchmarks/peak.py); recomputing a 3-channel convolution costs little.
+        "sw_conv1_bf16_cl_budget0.6": r"checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), "
+                                      r"compile(memory_budget=0.6)",
+        "sw_conv1_bf16_budget0.6": r"checkpoint('conv1'), autocast(torch.bfloat16), compile(memory_budget=0.6)",
+        "sw_conv1_bf16_cl": r"checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), compile()",
+        "sw_conv1_bn1_relu_bf16_cl_budget0.6": r"checkpoint('conv1|bn1|relu', chain=True), channels_last(), "
+                                               r"autocast(torch.bfloat16), compile(memory_budget=0.6)",
     },
     "efficientnet_b0": {
         "sw_bn_act_bf16": r"bn_act(), autocast(torch.bfloat16), compile()",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import linecache
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,10 @@ def _where(frames: list[dict[str, Any]]) -> str:
         name = f.get("filename", "")
         if not name.endswith(".py") or "/torch/" in name or name.endswith("peak.py"):
             continue
-        return f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+        where = f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+        if "torchinductor" in name:  # generated code: its line names the buffer, its shape and dtype
+            where += "  " + linecache.getline(name, f.get("line", 0)).strip()[:110]
+        return where
     return "torch internals"
 
 
