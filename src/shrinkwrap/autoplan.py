@@ -905,8 +905,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         if target is None or search.by_memory:
             # The least memory within a time limit that no plan met: the model as it is meets it
             # (1.0x its own time); a plan over the limit would be a slowdown the caller ruled out.
-            notes.append(f"no plan found within the step-time limit; the smallest memory found is {found}; "
-                         "the answer is the empty plan (the model as it is)")
+            notes.append("no plan found within the step-time limit; the answer is the empty plan (the model as "
+                         "it is)" + (f"; the smallest memory verified is {found}" if len(final.plan) else ""))
             final = base
         elif final.profile is not None and report.value(final) <= target:
             notes.append(f"no plan found within both limits; the fastest within the budget is {found}")
