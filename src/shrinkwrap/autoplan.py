@@ -131,9 +131,9 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     """The set of candidates to add, predicted by adding their measured savings and costs, that is
     best exactly (branch and bound over every set whose candidates cover no module twice):
 
-    - with a ``target``: the fastest set within it (and within ``max_t``); where no set reaches
-      the target, the smallest within ``max_t``; where no set is within ``max_t``, as if there
-      were no ``max_t``;
+    - with a ``target``: the fastest set within it (and within ``max_t``); where no set within
+      ``max_t`` reaches the target, the fastest that does, whatever its time; where none does,
+      the smallest within ``max_t``;
     - without: the smallest within ``max_t``, the faster of equals.
 
     A candidate that saves no memory but runs faster (``channels_last()``) is in the search too:
@@ -174,10 +174,12 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
         visit(i + 1, mem, t, chosen)
 
     visit(0, base_mem, base_t, [])
-    if best[0] == (2,) and target is not None:
-        # No set within the time limit: the budget decides alone (the fastest set within it), since
-        # a plan over the budget runs out of memory where one over the time limit runs slower.
-        return _search(effects, base_mem, base_t, target, None)
+    if target is not None and max_t is not None and best[0][0] != 0:
+        # No set within both limits: one within the budget, however slow, before one within the time
+        # limit over it (over the budget the run fails; over the time limit it runs slower).
+        relaxed = _search(effects, base_mem, base_t, target, None)
+        if base_mem - sum(e.saving for e in relaxed) <= target:
+            return relaxed
     return best[1]
 
 
@@ -435,6 +437,16 @@ class _Search:
     def fits(self, row: Row) -> bool:
         return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and self.fits_time(row)
 
+    def holds(self, row: Row) -> bool:
+        """Whether ``row`` meets the limit that comes first where no plan meets both: the budget
+        (over it the run fails; over the time limit it runs slower), or the time limit where there
+        is no budget, or with ``maximize="batch"``, whose batch size meets the budget later."""
+        if row.profile is None:
+            return False
+        if self.target is None or self.by_memory:
+            return self.fits_time(row)
+        return self.metric(row) <= self.target
+
     def time_against_baseline(self, plan: Plan) -> None:
         """Time ``plan`` and the baseline in turns in this process: the ratio a step-time limit is
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
@@ -588,11 +600,12 @@ class _Search:
         followed by a larger one that did not, was measured in this process only (measured fresh
         now); one measured again after a drop has both rows (the fresh one kept). A fresh row
         that no longer fits (its process read more than this one) hands the answer on to the
-        next best plan, which is measured fresh in turn: each plan once, so this ends."""
+        next best plan, which is measured fresh in turn: each plan once, so this ends. An answer over
+        the time limit but within the budget (:meth:`holds`) is measured fresh too."""
         done: set[str] = set()
         while self.rows.cuda:
             best = self.final(tried)
-            if not self.fits(best) or str(best.plan) in done:
+            if not self.holds(best) or str(best.plan) in done:
                 break
             done.add(str(best.plan))
             fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
@@ -627,20 +640,17 @@ class _Search:
 
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
-        both: the fastest within the budget (over the time limit: the budget is what keeps the
-        run from running out of memory), else the smallest. :func:`_autoplan` answers a time limit
-        without a budget that no plan met with the model as it is."""
-        ok = [r for r in tried if self.fits(r)]
+        both, the same of those that meet the limit that comes first (:meth:`holds`): the fastest
+        within the budget; else the smallest. :func:`_autoplan` answers a time limit that no plan
+        met, without a budget, with the model as it is."""
+        ok = [r for r in tried if self.fits(r)] or [r for r in tried if self.holds(r)]
         if ok and self.target is not None and not self.by_memory:
             return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
         if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
             least = min(self.metric(r) for r in ok)
             return min((r for r in ok if self.metric(r) <= least * (1 + SAME_MEMORY)), key=lambda r: r.profile.step_ms)
-        measured = [r for r in tried if r.profile is not None]
-        within = [r for r in measured if self.target is not None and self.metric(r) <= self.target]
-        if within:
-            return min(within, key=lambda r: (r.profile.step_ms, self.metric(r)))
-        return min(measured or tried, key=lambda r: self.metric(r) if r.profile else math.inf)
+        measured = [r for r in tried if r.profile is not None] or tried
+        return min(measured, key=lambda r: self.metric(r) if r.profile else math.inf)
 
 
 def _priced(effects: list[Effect], forward: dict[str, float]) -> list[Effect]:
@@ -836,6 +846,24 @@ def autoplan(
                          isolate_candidates, progress, compile_step)
 
 
+def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str]]:
+    """The row autoplan answers with, and a note where it meets not every limit. A time limit
+    that no plan met, without a budget (or with ``maximize="batch"``), is answered with the model
+    as it is (``base``): it takes 1.0x its own time, and a plan over the limit would be a
+    slowdown the caller ruled out."""
+    final = search.final(tried)
+    if search.fits(final):
+        return final, []
+    found = (f"{(search.metric(final) or 0) / 2**20:.1f} MiB at "
+             f"{final.profile.step_ms if final.profile else 0:.1f} ms, with plan: {final.plan}")
+    if not search.holds(final) and (search.target is None or search.by_memory):
+        return base, ["no plan found within the step-time limit; the answer is the empty plan (the model as it "
+                      "is)" + (f"; the smallest memory verified is {found}" if len(final.plan) else "")]
+    if search.holds(final) and not search.by_memory:
+        return final, [f"no plan found within both limits; the fastest within the budget is {found}"]
+    return final, [f"no plan found within the limits; the smallest memory found is {found}"]
+
+
 def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, max_slowdown: float | None,
               allow_lossy: bool, maximize: str, rounds: int, tolerance: float, isolate_candidates: bool,
               progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
@@ -881,6 +909,9 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if compile_step is not None:
         tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)
     verified = time.perf_counter()
+    final, unmet = _answer(search, tried, base)
+    if final is base:
+        chosen = []  # no candidate is taken
 
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step"]
     if target is not None:
@@ -898,20 +929,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                          f"(median of {len(timings[0].rounds_ms)} rounds' ratios, {CONFIDENCE:.0%} interval "
                          f"{low:.3f}-{high:.3f}x): {'within' if search.fits_time(row) else 'over'} the limit "
                          f"of {max_slowdown}x{undecided}")
-    final = search.final(tried)
-    if not search.fits(final):
-        found = (f"{(report.value(final) or 0) / 2**20:.1f} MiB at "
-                 f"{final.profile.step_ms if final.profile else 0:.1f} ms, with plan: {final.plan}")
-        if target is None or search.by_memory:
-            # The least memory within a time limit that no plan met: the model as it is meets it
-            # (1.0x its own time); a plan over the limit would be a slowdown the caller ruled out.
-            notes.append("no plan found within the step-time limit; the answer is the empty plan (the model as "
-                         "it is)" + (f"; the smallest memory verified is {found}" if len(final.plan) else ""))
-            final = base
-        elif final.profile is not None and report.value(final) <= target:
-            notes.append(f"no plan found within both limits; the fastest within the budget is {found}")
-        else:
-            notes.append(f"no plan found within the limits; the smallest memory found is {found}")
+    notes += unmet
     notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
                  f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
