@@ -529,16 +529,11 @@ def test_a_compile_argument_that_is_no_compile_step_fails_before_anything_is_mea
 
 
 def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows_are_faster():
-    import dataclasses
-
     from shrinkwrap.autoplan import _Search
-    from shrinkwrap.report import Row
 
-    prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
-    plans = {"checkpoint('a')": (500.0, 30.0), "checkpoint('a'), compile()": (600.0, 10.0),
-             "checkpoint('b'), compile()": (400.0, 20.0)}
-    rows = [Row(sw.Plan.parse(text), dataclasses.replace(prof, step_ms=ms)) for text, (_, ms) in plans.items()]
-    search = _Search(None, None, lambda r: plans[str(r.plan)][0], 1000.0, 30.0, 800.0, 45.0, False, True, 1.5)
+    rows, metric = _rows({"checkpoint('a')": (500.0, 30.0), "checkpoint('a'), compile()": (600.0, 10.0),
+                          "checkpoint('b'), compile()": (400.0, 20.0)})
+    search = _Search(None, None, metric, 1000.0, 30.0, 800.0, 45.0, False, True, 1.5)
     assert str(search.final(rows).plan) == "checkpoint('b'), compile()"
     search.by_memory = False  # a budget to meet at the highest speed: the fastest within it
     assert str(search.final(rows).plan) == "checkpoint('a'), compile()"

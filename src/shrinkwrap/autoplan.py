@@ -641,7 +641,7 @@ class _Search:
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
         both, the same of those that meet the limit that comes first (:meth:`holds`): the fastest
-        within the budget; else the smallest. :func:`_autoplan` answers a time limit that no plan
+        within the budget; else the smallest. :func:`_answer` answers a time limit that no plan
         met, without a budget, with the model as it is."""
         ok = [r for r in tried if self.fits(r)] or [r for r in tried if self.holds(r)]
         if ok and self.target is not None and not self.by_memory:
