@@ -66,7 +66,7 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
         print(f"{config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
     texts = {**recipes(model_name), **PLANS, **{k: v["plan"] for k, v in auto.items()}}
     makers: dict[str, Callable[[], nn.Module]] = {
-        name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks), name)
+        name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks, batch), name)
         for name in ANCHORS if name != "compile_budget0.5"}
     makers.update({name: functools.partial(lambda t: sw.apply(build(model_name), t), text)
                    for name, text in texts.items()})

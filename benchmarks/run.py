@@ -13,7 +13,8 @@ static = allocated before it, activation = peak - static, median step time. Resu
 
 Anchors (``kind: "anchor"``) are the recipes of the project's anchor table (ANCHORS.md), written the way users write
 them by hand: ``torch.autocast`` around the forward, torch's own ``apply_activation_checkpointing``
-with ``checkpoint_wrapper``, selective checkpointing, ``torch.compile``. Shrinkwrap rows
+with ``checkpoint_wrapper``, selective checkpointing, ``torch.compile``; and torch's own automatic
+selective-checkpoint planner (``auto_sac.py``; it needs ``pulp`` and ``pwlf``). Shrinkwrap rows
 (``kind: "shrinkwrap"``) are plans, as text that ``shrinkwrap profile --plan`` accepts.
 """
 
@@ -118,15 +119,32 @@ def compiled(model: nn.Module, budget: float | None = None) -> nn.Module:
     return torch.compile(model)
 
 
-ANCHORS: dict[str, Callable[[nn.Module, tuple[str, ...]], nn.Module]] = {
-    "base_fp32": lambda m, b: m,
-    "amp_bf16": lambda m, b: HandAutocast(m),
-    "ckpt_every_block": lambda m, b: torch_checkpoint_blocks(m, b),
-    "ckpt_every_block+bf16": lambda m, b: HandAutocast(torch_checkpoint_blocks(m, b)),
-    "sac_every_block+bf16": lambda m, b: HandAutocast(torch_checkpoint_blocks(m, b, selective=True)),
-    "compile": lambda m, b: compiled(m),
-    "compile_budget0.5": lambda m, b: compiled(m, 0.5),
-    "compile+bf16": lambda m, b: compiled(HandAutocast(m)),
+def auto_sac(model: nn.Module, batch: Any, share: float, bf16: bool) -> nn.Module:
+    """torch's own planner for selective checkpointing (``auto_sac.py``), under bf16 autocast or
+    in float32 (its runtime estimator fails on bf16 attention: the fused kernels' outputs have two
+    float dtypes)."""
+    from auto_sac import torch_auto_sac
+
+    if bf16:
+        return HandAutocast(torch_auto_sac(model, batch, share, dtype=torch.bfloat16))
+    return torch_auto_sac(model, batch, share)
+
+
+# name -> (model, the anchors' block class names, the batch) -> the model to train
+ANCHORS: dict[str, Callable[[nn.Module, tuple[str, ...], Any], nn.Module]] = {
+    "base_fp32": lambda m, b, x: m,
+    "amp_bf16": lambda m, b, x: HandAutocast(m),
+    "ckpt_every_block": lambda m, b, x: torch_checkpoint_blocks(m, b),
+    "ckpt_every_block+bf16": lambda m, b, x: HandAutocast(torch_checkpoint_blocks(m, b)),
+    "sac_every_block+bf16": lambda m, b, x: HandAutocast(torch_checkpoint_blocks(m, b, selective=True)),
+    # Its budget: this share of the planner's own estimate of the activation peak.
+    "auto_sac0.5": lambda m, b, x: auto_sac(m, x, 0.5, bf16=False),
+    "auto_sac0.25": lambda m, b, x: auto_sac(m, x, 0.25, bf16=False),
+    "auto_sac0.5+bf16": lambda m, b, x: auto_sac(m, x, 0.5, bf16=True),
+    "auto_sac0.25+bf16": lambda m, b, x: auto_sac(m, x, 0.25, bf16=True),
+    "compile": lambda m, b, x: compiled(m),
+    "compile_budget0.5": lambda m, b, x: compiled(m, 0.5),
+    "compile+bf16": lambda m, b, x: compiled(HandAutocast(m)),
 }
 
 
@@ -185,7 +203,7 @@ def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
     model = build(model_name)
     if config in ANCHORS:
         row.update(kind="anchor", plan=None)
-        model = ANCHORS[config](model, blocks)
+        model = ANCHORS[config](model, blocks, batch)
     else:
         plan = sw.Plan.parse(recipes(model_name)[config])
         row.update(kind="shrinkwrap", plan=str(plan))
@@ -324,6 +342,11 @@ def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]]
         try:
             model = make()
             prof = sw.measure(model, batch, iterations=options.iterations, warmup=options.warmup, device="cuda")
+            inner = getattr(model, "model", model)  # inside HandAutocast
+            if hasattr(inner, "auto_sac"):
+                from auto_sac import describe
+
+                row.update(plan=describe(inner), autoplan_s=inner.auto_sac_s)
         except Exception as exc:  # noqa: BLE001 - out of memory, or an anchor this torch lacks: a row
             rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
             torch.cuda.empty_cache()
