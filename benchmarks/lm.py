@@ -70,6 +70,11 @@ def plans(blocks: str) -> dict[str, str]:
         "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
+        # Selective recompute: the blocks keep their matrix products (and attention, where it
+        # draws no dropout), and the recompute runs the norms, activations and dropout only.
+        "ckpt_save_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul',)), chunked_loss(), autocast(torch.bfloat16)",
+        "ckpt_save_all_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul', 'attention')), chunked_loss(), "
+                                      "autocast(torch.bfloat16)",
         # The gated MLP's product keeping two tensors, not three (Llama-style models only): one
         # block's recompute and backward working set set the offload row's peak.
         "ckpt_swiglu_bf16_chunked": f"{ckpt}, swiglu(), chunked_loss(), autocast(torch.bfloat16)",
@@ -89,6 +94,8 @@ def plans(blocks: str) -> dict[str, str]:
         "chunked_bf16_compiled_budget0.95": "chunked_loss(), autocast(torch.bfloat16), compile(memory_budget=0.95)",
         "chunked4096_bf16_compiled": "chunked_loss(chunk_size=4096), autocast(torch.bfloat16), compile()",
         "ckpt_bf16_chunked_compiled": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16), compile()",
+        "ckpt_save_bf16_chunked_compiled": f"checkpoint(r'{blocks}', save=('matmul',)), chunked_loss(), "
+                                           "autocast(torch.bfloat16), compile()",
     }
 
 

@@ -136,6 +136,16 @@ def test_checkpoint_every_block_trains_bit_exact(name):
     assert_same(reference(CASES[name]), got, **ROUNDING)  # the model as configured, cache on
 
 
+@pytest.mark.parametrize("name", MAIN)
+def test_selective_checkpoint_every_block_trains_bit_exact(name):
+    """Keeping the matrix products', attention's and convolutions' outputs changes no number:
+    dropout inside attention and after it draws the same masks (a random call is never kept)."""
+    case = CASES[name]
+    model = case.build()
+    sw.apply(model, sw.checkpoint(case.blocks, save=("matmul", "attention", "conv")))
+    assert_same(expected(name), train(model, case))
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_state_dict_is_the_plain_models_and_loads_both_ways(name):
     check_state_dict(CASES[name])

@@ -22,6 +22,7 @@ STEM = sw.checkpoint(r"conv1|bn1|relu|drop|maxpool", chain=True)
 CASES = {
     "residual": (net64, lambda: torch.randn(4, 3, 8, 8, dtype=torch.float64), {
         "checkpoint": [sw.checkpoint(r"layer[12]")],
+        "checkpoint_save": [sw.checkpoint(r"layer[12]", save=("conv", "matmul"))],
         "bn_act": [sw.bn_act()],
         "autocast": [sw.autocast(BF16)],
         "autocast_region": [sw.autocast(BF16, r"layer2")],
@@ -38,6 +39,7 @@ CASES = {
     "resnet": (lambda: resnet64(stem_dropout=0.25), lambda: torch.randn(4, 3, 32, 32, dtype=torch.float64), {
         "chain": [STEM],
         "chain_and_stages": [STEM, sw.checkpoint(r"layer[12]")],
+        "chain_save": [sw.checkpoint(r"conv1|bn1|relu|drop|maxpool", chain=True, save=("conv",))],
     }),
 }
 PARAMS = [(model, plan) for model, (_, _, plans) in CASES.items() for plan in plans]
@@ -107,6 +109,8 @@ def test_compiled_checkpoint_recomputes_inside_the_graph():
         return sw.saved_tensor_bytes(lambda: compiled(x))
 
     assert saved([sw.checkpoint(r"\d")]) < saved([])
+    # Kept matrix products stay saved in the compiled graph: more than the plain regions keep.
+    assert saved([sw.checkpoint(r"\d")]) < saved([sw.checkpoint(r"\d", save=("matmul",))]) <= saved([])
 
 
 def test_a_compiled_chain_keeps_less_than_the_same_modules_one_by_one():
