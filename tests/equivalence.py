@@ -201,3 +201,17 @@ def compiled_step(case: Case) -> tuple[Trace, str | None]:
                 raise
             graph_break = f"{type(exc).__name__}: {exc}"[:3000]
     raise AssertionError("unreachable")
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operators dispatched while it is on, by name (``count``): what a region
+    recomputes in backward, say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = func._overloadpacket.__name__
+        self.count[name] = self.count.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

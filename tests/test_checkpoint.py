@@ -2,6 +2,7 @@
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import shrinkwrap as sw
 from shrinkwrap.select import SelectionError
 from shrinkwrap.transforms import checkpoint as ckpt_mod
 
+from equivalence import OpCounter
 from toymodels import net64
 
 
@@ -472,19 +474,6 @@ def test_autocast_copies_of_a_regions_weights_are_freed_with_the_region(chain):
 
 
 # Selective recompute: checkpoint(save=...)
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operators dispatched while it is on, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        self.count[name] = self.count.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _mlp_blocks(seed=0):
     torch.manual_seed(seed)
     block = lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.3),  # noqa: E731
@@ -495,7 +484,7 @@ def _mlp_blocks(seed=0):
 def _backward_ops(model, x):
     torch.manual_seed(3)
     loss = model(x).square().sum()
-    with _Ops() as ops:
+    with OpCounter() as ops:
         loss.backward()
     return ops.count
 
@@ -524,6 +513,10 @@ def test_a_random_operator_is_never_kept():
         sw.checkpoint("0", save=("native_dropout",))
     with pytest.raises(ValueError, match="neither one of 'matmul'"):
         sw.checkpoint("0", save=("matmull",))
+    with pytest.raises(ValueError, match="breaks it into other operators"):  # never seen: kept nothing
+        sw.checkpoint("0", save=("linear",))
+    with pytest.raises(ValueError, match="in place"):  # always failed in backward
+        sw.checkpoint("0", save=("relu_",))
     # A fused attention with dropout draws: recomputed even where 'attention' is kept; without it, kept.
     policy = ckpt_mod._keep
     ops = ckpt_mod.save_ops(("attention",))
@@ -555,3 +548,33 @@ def test_save_round_trips_as_text_and_a_chain_takes_it():
         assert m.bn1.num_batches_tracked.item() == 2
     assert torch.equal(model.bn1.running_var, ref.bn1.running_var)
     assert _backward_ops(plain, x)["convolution"] == 1 and "convolution" not in _backward_ops(model, x)
+
+
+def test_a_model_keeping_outputs_pickles_copies_and_keeps_them_after():
+    ref = _mlp_blocks()
+    model = sw.apply(copy.deepcopy(ref), sw.checkpoint(r"[012]", save=("matmul",)))
+    x = torch.randn(8, 16, dtype=torch.float64)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    for twin in copies:
+        out_r, g_r = run(ref, x, seed=2)
+        out_m, g_m = run(twin, x, seed=2)
+        assert torch.equal(out_r, out_m) and all(torch.equal(g_r[n], g_m[n]) for n in g_r)
+        assert "addmm" not in _backward_ops(twin, x)
+    # The module itself takes names too.
+    block = ckpt_mod.CheckpointModule(_mlp_blocks()[0], save=("matmul",))
+    torch.manual_seed(0)
+    block(x).sum().backward()  # warm
+    with OpCounter() as ops:
+        block(x).sum().backward()
+    assert ops.count["addmm"] == 2  # the forward's two; none again in the recompute
+
+
+def test_a_second_backward_through_a_keeping_region_is_torchs_own_error():
+    model = sw.apply(_mlp_blocks(), sw.checkpoint("0", save=("matmul",)))
+    loss = model(torch.randn(4, 16, dtype=torch.float64)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        loss.backward()

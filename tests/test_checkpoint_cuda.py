@@ -57,3 +57,37 @@ def test_resnet152_layer12_batchnorm_statistics(batch):
             assert b.item() == b_ref.item() == 3, name
         else:
             torch.testing.assert_close(b, b_ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("keep_random", [False, True], ids=["as-built", "if-random-calls-were-kept"])
+def test_a_fused_attention_with_dropout_is_recomputed_not_kept(monkeypatch, keep_random):
+    """checkpoint(save=('attention',)) on a GPU, where attention is a fused kernel drawing its
+    dropout: the region recomputes it, so the dropout after it draws the forward's mask and the
+    gradients are the plain regions'. Keeping it (the rule switched off) shifts the random stream
+    and changes them: the comparison has teeth."""
+    from shrinkwrap.transforms import checkpoint as ckpt_mod
+
+    transformers = pytest.importorskip("transformers")
+    from equivalence import OpCounter
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128,
+                                     attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(config).cuda().train()
+    if keep_random:
+        monkeypatch.setattr(ckpt_mod, "_draws", lambda *args: False)
+    blocks = r"transformer\.h\.\d+"
+    models = {"plain": sw.apply(copy.deepcopy(ref), sw.checkpoint(blocks)),
+              "kept": sw.apply(copy.deepcopy(ref), sw.checkpoint(blocks, save=("matmul", "attention")))}
+    ids = torch.randint(0, 128, (4, 64), device="cuda")
+    grads = {}
+    for name, model in models.items():
+        torch.manual_seed(5)
+        with OpCounter() as ops:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads[name] = [p.grad for p in model.parameters()]
+    fused = sum(n for op, n in ops.count.items() if op.startswith("_scaled_dot_product_") and "cpu" not in op)
+    assert fused == 2  # one fused, dropout-drawing attention call per block
+    same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads["plain"], grads["kept"]))
+    assert same is not keep_random

@@ -41,10 +41,13 @@ their outputs a fraction of what the block keeps without a checkpoint. Exact as 
 kept output is the value the recompute would compute. An operator that draws random numbers is
 never kept (it would shift the random stream of the dropout after it in the recompute): a fused
 attention with dropout in training is recomputed, and a random operator named in ``save`` is
-refused. The kept outputs are held by the checkpoint, not saved through autograd's saved-tensor
-hooks, so an ``offload`` region does not move them; a region that changes a kept output in place
-fails in backward (torch's "Tensor cached during selective activation checkpoint has been
-mutated"). Under ``torch.compile`` the compiler's partitioner keeps the same outputs, and that is
+refused, and so is one that changes a tensor in place or that torch decomposes before a
+checkpoint sees it (``linear``: name ``addmm``/``mm``, or ``"matmul"``). The kept outputs are held
+by the checkpoint, not saved through autograd's saved-tensor hooks, so an ``offload`` region does
+not move them. Limits of torch's selective checkpoint, raised by torch in backward: an in-place
+operation on a kept output inside the region (``Linear`` then ``ReLU(inplace=True)``: "Tensor
+cached during selective activation checkpoint has been mutated"), and a second backward through
+the region (``retain_graph=True``). Under ``torch.compile`` the compiler's partitioner keeps the same outputs, and that is
 where it pays: eager, torch's selective checkpoint runs every operator of the region through a
 Python dispatch mode, which on an H100 cost gpt2 more than the matrix products it saved (1.3x the
 plain regions' step time; compiled, 0.90x).
@@ -187,20 +190,18 @@ SAVE_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _seeded(op: Any) -> bool:
-    return any(torch.Tag.nondeterministic_seeded in getattr(op, o).tags for o in op.overloads())
-
-
-def _dropout_p(op: Any) -> bool:
-    return any(a.name == "dropout_p" for o in op.overloads() for a in getattr(op, o)._schema.arguments)
+def _overloads(op: Any) -> list:
+    return [getattr(op, o) for o in op.overloads() if o != "out"]
 
 
 def save_ops(save: tuple[str, ...]) -> frozenset:
-    """The aten operator packets whose outputs a region keeps, for ``save``'s names; raises
-    ``ValueError`` for a name that is neither a kind nor an aten operator, and for a random one
-    (unless, like a fused attention, it draws only with a ``dropout_p`` above 0: then it is kept
-    where that is 0)."""
-    ops = set()
+    """The names of the aten operators whose outputs a region keeps, for ``save``'s names (names,
+    not the operators: a model holding them pickles). Raises ``ValueError`` for a name that is
+    neither a kind nor an aten operator, for one that never reaches the checkpoint (decomposed
+    before it: ``linear``), for one that changes a tensor in place (a kept output changed in place
+    fails in backward), and for a random one (unless, like a fused attention, it draws only with a
+    ``dropout_p`` above 0: then it is kept where that is 0)."""
+    names = set()
     for name in save:
         if not isinstance(name, str):
             raise ValueError(f"shrinkwrap: checkpoint(save=...) takes names, got {name!r}")
@@ -212,22 +213,38 @@ def save_ops(save: tuple[str, ...]) -> frozenset:
                 raise ValueError(
                     f"shrinkwrap: checkpoint(save=...) cannot keep {name!r}: it is neither one of "
                     f"{', '.join(map(repr, SAVE_KINDS))} nor an aten operator (torch.ops.aten.{name})")
-            if _seeded(op) and not _dropout_p(op):
-                raise ValueError(
-                    f"shrinkwrap: checkpoint(save=...) cannot keep {name!r}: it draws random numbers, and "
-                    "keeping its output would shift the random stream of what the recompute draws after it "
-                    "(a dropout mask would differ from the forward's). Leave it to the recompute.")
-            ops.add(op)
-    return frozenset(ops)
+            why = _unkeepable(op)
+            if why and name not in SAVE_KINDS:
+                raise ValueError(f"shrinkwrap: checkpoint(save=...) cannot keep {name!r}: {why}")
+            names.add(op_name)
+    return frozenset(names)
 
 
-def _keep(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The selective-checkpoint policy of ``save``: keep the outputs of ``ops``, but never of a
-    call that draws random numbers. It answers alike in the forward and in the recompute (torch
-    2.11 asks it in both, and takes a kept output only where the answers agree)."""
+def _unkeepable(op: Any) -> str | None:
+    overloads = _overloads(op)
+    if overloads and all(o._can_decompose() for o in overloads):
+        return ("torch breaks it into other operators before a checkpoint sees them (linear into mm or "
+                "addmm, scaled_dot_product_attention into a fused kernel); name what it becomes, or "
+                f"one of {', '.join(map(repr, SAVE_KINDS))}")
+    if overloads and all(o._schema.is_mutable for o in overloads):
+        return ("it changes a tensor in place, and an output kept by the checkpoint and then changed fails "
+                "in backward. Keep the operator before it")
+    seeded = any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads)
+    if seeded and not any(a.name == "dropout_p" for o in overloads for a in o._schema.arguments):
+        return ("it draws random numbers, and keeping its output would shift the random stream of what "
+                "the recompute draws after it (a dropout mask would differ from the forward's). Leave it "
+                "to the recompute")
+    return None
+
+
+def _keep(names: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The selective-checkpoint policy of ``save``: keep the outputs of the aten operators
+    ``names``, but never of a call that draws random numbers. It answers alike in the forward and
+    in the recompute (torch 2.11 asks it in both, and takes a kept output only where the answers
+    agree; 2.13 asks in the forward only)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if op._overloadpacket in ops and not _draws(op, args, kwargs):
+    if op.namespace == "aten" and op._overloadpacket.__name__ in names and not _draws(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -243,19 +260,36 @@ def _draws(op: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def selective(ops: frozenset) -> dict:
-    """torch checkpoint's keyword arguments for a region keeping ``ops``' outputs (none: {})."""
-    if not ops:
+def selective(names: frozenset) -> dict:
+    """torch checkpoint's keyword arguments for a region keeping the outputs of the aten
+    operators ``names`` (none: {})."""
+    if not names:
         return {}
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep, ops))}
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep, names))}
 
 
-@contextlib.contextmanager
-def _both(first: Any, second: Any) -> Any:
-    with first, second:
-        yield
+class _Both:
+    """Two contexts as one, entered in order and left in reverse; entered again at each recompute
+    (a second backward through the region with ``retain_graph=True``)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
 
 
 def _checkpointed(fn: Callable[..., Any], modules: list[nn.Module], what: str, clone: bool,
@@ -274,7 +308,7 @@ def _checkpointed(fn: Callable[..., Any], modules: list[nn.Module], what: str, c
         forward, recompute = keep["context_fn"]()
         # The statistics are copied and put back outside the selective mode, which would take
         # those copies for operators of the region that the forward never ran.
-        return forward, _both(_RestoreNormStats(modules), recompute)
+        return forward, _Both(_RestoreNormStats(modules), recompute)
 
     with _uncached_autocast():
         out = _torch_checkpoint(
@@ -297,8 +331,8 @@ class CheckpointModule(TransparentWrapper):
         name: its dotted name in the model, used in messages.
         clone_inputs: give the region a private copy of its tensor inputs, for regions that
             modify their input in place. The caller's tensor is then left unmodified.
-        save: the aten operator packets whose outputs the region keeps instead of recomputing
-            (:func:`save_ops` makes them from names; see the module docstring).
+        save: names of the operators whose outputs the region keeps instead of recomputing
+            (``"matmul"``, ``"attention"``, ``"conv"``, aten names; see the module docstring).
 
     Example::
 
@@ -310,13 +344,13 @@ class CheckpointModule(TransparentWrapper):
     recomputes = True
 
     def __init__(self, module: nn.Module, *, name: str = "", clone_inputs: bool = False,
-                 save: frozenset = frozenset()) -> None:
+                 save: tuple[str, ...] = ()) -> None:
         if isinstance(module, CheckpointModule):
             raise ValueError(f"shrinkwrap: {name or 'module'} is already checkpointed")
         super().__init__(module)
         self._sw_name = name or type(module).__name__
         self._sw_clone_inputs = clone_inputs
-        self._sw_keep = selective(save)
+        self._sw_keep = selective(save_ops(save))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped
@@ -566,7 +600,7 @@ class Checkpoint(Step):
             make = lambda n, m: ChainMember(m, chains[n], name=n)  # noqa: E731
         else:
             make = lambda n, m: CheckpointModule(  # noqa: E731
-                m, name=n, clone_inputs=self.clone_inputs, save=save_ops(self.save))
+                m, name=n, clone_inputs=self.clone_inputs, save=self.save)
         undo += _rewrite.replace(model, targets.matched, make)
         hooks, notes = _cache_hooks(model, targets.matched)
         targets.notes += notes
