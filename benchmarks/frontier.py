@@ -9,7 +9,9 @@ lossy steps allowed, with its compile stage (``compile=True``), the second call 
 measurements; its own seconds are recorded. Then every row (the anchors of ``run.py`` as users
 write them, the hand recipes eager and compiled, and the two plans) is measured in this process
 by ``run.measure_same_run``: memory one configuration at a time, step times in turns. ``compile_budget0.5`` is left out: its budget is a global setting that
-would reach every later compilation in the process.
+would reach every later compilation in the process. torch's SAC planner (``auto_sac*``) runs only
+where ``--configs`` names it: it needs pulp and pwlf, and plans efficientnet_b0 for over three
+minutes.
 
 A plan is *dominated* by a row with less activation memory, by more than 2%, and less step time,
 beyond the spread: that row's slowest round faster than the plan's fastest. The table names, for
@@ -67,7 +69,8 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
     texts = {**recipes(model_name), **PLANS, **{k: v["plan"] for k, v in auto.items()}}
     makers: dict[str, Callable[[], nn.Module]] = {
         name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks, batch), name)
-        for name in ANCHORS if name != "compile_budget0.5"}
+        for name in ANCHORS
+        if name != "compile_budget0.5" and (not name.startswith("auto_sac") or name in (only or ()))}
     makers.update({name: functools.partial(lambda t: sw.apply(build(model_name), t), text)
                    for name, text in texts.items()})
     makers = {k: v for k, v in makers.items() if not only or k in only or k in auto}

@@ -72,7 +72,8 @@ def plans(blocks: str) -> dict[str, str]:
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
         # Selective recompute: the blocks keep their matrix products (and attention, where it
         # draws no dropout), and the recompute runs the norms, activations and dropout only.
-        "ckpt_save_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul',)), chunked_loss(), autocast(torch.bfloat16)",
+        "ckpt_save_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul',)), chunked_loss(), "
+                                  "autocast(torch.bfloat16)",
         "ckpt_save_all_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul', 'attention')), chunked_loss(), "
                                       "autocast(torch.bfloat16)",
         # The gated MLP's product keeping two tensors, not three (Llama-style models only): one

@@ -47,10 +47,10 @@ by the checkpoint, not saved through autograd's saved-tensor hooks, so an ``offl
 not move them. Limits of torch's selective checkpoint, raised by torch in backward: an in-place
 operation on a kept output inside the region (``Linear`` then ``ReLU(inplace=True)``: "Tensor
 cached during selective activation checkpoint has been mutated"), and a second backward through
-the region (``retain_graph=True``). Under ``torch.compile`` the compiler's partitioner keeps the same outputs, and that is
-where it pays: eager, torch's selective checkpoint runs every operator of the region through a
-Python dispatch mode, which on an H100 cost gpt2 more than the matrix products it saved (1.3x the
-plain regions' step time; compiled, 0.90x).
+the region (``retain_graph=True``). Under ``torch.compile`` the compiler's partitioner keeps the
+same outputs, and that is where it pays: eager, torch's selective checkpoint runs every operator
+of the region through a Python dispatch mode, which on an H100 cost gpt2 more than the matrix
+products it saved (1.3x the plain regions' step time; compiled, 0.90x).
 
 Chains (``checkpoint(pattern, chain=True)``). A ResNet's forward calls ``conv1``, ``bn1``, ``relu``
 and ``maxpool`` one after another; checkpointed one by one each region keeps its own input, so
