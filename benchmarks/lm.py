@@ -70,6 +70,9 @@ def plans(blocks: str) -> dict[str, str]:
         "ckpt_bf16": f"{ckpt}, autocast(torch.bfloat16)",
         "ckpt_bf16_chunked": f"{ckpt}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_bf16_chunked_offload": f"{ckpt}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
+        # GPT-2's gelu_new written out (eight kernels each way, float32 under autocast) as nn.GELU('tanh').
+        "ckpt_swish_bf16_chunked": f"{ckpt}, swish(), chunked_loss(), autocast(torch.bfloat16)",
+        "swish_bf16_chunked": "swish(), chunked_loss(), autocast(torch.bfloat16)",
         # Selective recompute: the blocks keep their matrix products (and attention, where it
         # draws no dropout), and the recompute runs the norms, activations and dropout only.
         "ckpt_save_bf16_chunked": f"checkpoint(r'{blocks}', save=('matmul',)), chunked_loss(), "

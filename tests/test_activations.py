@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -37,6 +38,11 @@ class NaiveMish(nn.Module):
 class NaiveHardSwish(nn.Module):
     def forward(self, x):
         return x * F.relu6(x + 3) / 6
+
+
+class NewGELU(nn.Module):  # Hugging Face's NewGELUActivation (GPT-2's gelu_new), as written there
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 class ScaledSwish(nn.Module):  # state: a parameter (beta = 1 computes Swish)
@@ -212,6 +218,45 @@ def test_naive_mish_and_hardswish_become_the_native_module(act, native, saved_be
     assert_same_run(run(model, x), run(ref, x), rtol=1e-14, atol=1e-14)
 
 
+def test_hand_written_tanh_gelu_becomes_native_gelu_keeping_one_tensor():
+    torch.manual_seed(0)
+    model = mlp(NewGELU, n=2)
+    ref = copy.deepcopy(model)
+    h = torch.randn(32, 16, dtype=F64, requires_grad=True) * 1
+    with sw.SavedTensors() as saved:
+        model[1](h)
+    assert saved.count == 4
+    sw.apply_swish(model)
+    assert all(type(m) is nn.GELU and m.approximate == "tanh" for m in (model[1], model[3]))
+    with sw.SavedTensors() as saved:
+        model[1](h)
+    assert saved.count == 1
+    x = torch.randn(32, 16, dtype=F64)
+    assert_same_run(run(model, x), run(ref, x), rtol=1e-14, atol=1e-14)  # the same formula, fused
+    # Native modules: the tanh one is reported as already saving only its input, the exact one ignored.
+    native = sw.apply_swish(nn.Sequential(nn.Linear(4, 4), nn.GELU("tanh"), NaiveSwish(), nn.GELU()))
+    assert type(native[2]) is sw.MemoryEfficientSwish and type(native[3]) is nn.GELU
+    assert dict(sw.records(native)[-1].skipped) == {"1": "native GELU already saves only its input"}
+
+
+def test_gpt2s_gelu_new_is_replaced_and_training_matches_to_rounding():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=64,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(config).to(F64)
+    model = sw.apply(copy.deepcopy(ref), "swish()")
+    assert sw.records(model)[-1].matched == ("transformer.h.0.mlp.act", "transformer.h.1.mlp.act")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        torch.manual_seed(3)  # dropout on: the same masks
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-14, msg=name)
+    sw.revert(model)
+    assert type(model.transformer.h[0].mlp.act) is type(ref.transformer.h[0].mlp.act)
+
+
 def test_modules_with_state_hooks_or_side_effects_are_left_alone_and_reported():
     hooked = NaiveSwish()
     hooked.register_forward_hook(lambda m, i, o: None)
@@ -277,7 +322,7 @@ def test_no_swish_is_an_error_naming_the_model_unless_a_pattern_is_given():
     sw.apply_swish(model, r"\d")
     assert dict(sw.records(model)[-1].skipped) == {
         "0": "has parameters or buffers (state); shrinkwrap never replaces a module with state",
-        "1": "does not compute Swish, Mish or Hard-Swish",
+        "1": "does not compute Swish, Mish, Hard-Swish or tanh-GELU",
     }
 
 
@@ -293,6 +338,7 @@ ACTS = {
     "hardswish": nn.Hardswish,
     "mish": nn.Mish,
     "naive_swish": NaiveSwish,
+    "naive_gelu_tanh": NewGELU,
     "timm_swish_inplace": TimmSwish,
     "me_swish": sw.MemoryEfficientSwish,
 }

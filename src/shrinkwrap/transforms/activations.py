@@ -1,12 +1,15 @@
-"""Activation transforms: memory-efficient Swish, Mish and Hard-Swish, and BatchNorm +
+"""Activation transforms: memory-efficient Swish, Mish, Hard-Swish and tanh-GELU, and BatchNorm +
 activation recompute.
 
 ``swish`` finds Swish written by hand (``x * torch.sigmoid(x)``, which keeps two tensors for
 backward) and swaps in :class:`MemoryEfficientSwish`, which keeps one and runs PyTorch's fused SiLU
-kernels. Hand-written Mish (``x * tanh(softplus(x))``) and Hard-Swish (``x * relu6(x + 3) / 6``) are
-swapped for ``nn.Mish`` / ``nn.Hardswish``: the native ops already keep only their input, so a
-shrinkwrap variant of them would save nothing more. Modules are recognised by what they compute,
-never by their class name.
+kernels. Hand-written Mish (``x * tanh(softplus(x))``), Hard-Swish (``x * relu6(x + 3) / 6``) and
+the tanh approximation of GELU (GPT-2's ``gelu_new``: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x +
+0.044715 * x**3)))``, eight elementwise operations that keep four tensors, in float32 under
+bfloat16 autocast since ``pow`` runs in float32 there) are swapped for ``nn.Mish`` /
+``nn.Hardswish`` / ``nn.GELU(approximate="tanh")``: the native ops already keep only their input
+and run one kernel each way, so a shrinkwrap variant of them would save nothing more. Modules are
+recognised by what they compute, never by their class name.
 
 ``bn_act`` fuses a BatchNorm with the elementwise activation that directly follows it into one op
 that keeps only the BatchNorm input (and the per-channel batch statistics) and recomputes
@@ -18,6 +21,7 @@ from __future__ import annotations
 __all__ = ['Swish', 'BnAct', 'MemoryEfficientSwish', 'FusedBatchNormAct', 'apply_swish', 'apply_bn_act']
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import regex
@@ -87,12 +91,16 @@ _KINDS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], nn.
     "swish": (F.silu, MemoryEfficientSwish),
     "mish": (F.mish, nn.Mish),
     "hardswish": (F.hardswish, nn.Hardswish),
+    "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), functools.partial(nn.GELU, approximate="tanh")),
 }
-_NATIVE: dict[type, str] = {nn.SiLU: "swish", nn.Mish: "mish", nn.Hardswish: "hardswish"}
+_NATIVE: dict[type, str] = {nn.SiLU: "swish", nn.Mish: "mish", nn.Hardswish: "hardswish", nn.GELU: "gelu_tanh"}
 # Only used to *report* stateful modules we will not run; replacement never depends on names.
 _LOOKS_LIKE = regex.compile(r"swish|silu|mish", regex.IGNORECASE)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _REPLACED = "_sw_replacement"  # set on modules this transform put in place, so reapplying sees them
+
+
+_NONE = "does not compute Swish, Mish, Hard-Swish or tanh-GELU"
 
 
 def _probe_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -124,14 +132,15 @@ def _has_hooks(module: nn.Module) -> bool:
 def _native_kind(module: nn.Module) -> str | None:
     for cls, kind in _NATIVE.items():
         if isinstance(module, cls) and type(module).forward is cls.forward:
-            return kind
+            # nn.GELU() computes the exact GELU, which is no kind of this step's
+            return None if kind == "gelu_tanh" and module.approximate != "tanh" else kind
     return None
 
 
 def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
            inplace_ok: bool = False) -> tuple[str | None, str]:
-    """What a stateless, hook-free module computes: ``(kind, "")`` if it is Swish, Mish or
-    Hard-Swish and safe to replace, ``(kind, why)`` if it computes one but must be left alone,
+    """What a stateless, hook-free module computes: ``(kind, "")`` if it is Swish, Mish,
+    Hard-Swish or tanh-GELU and safe to replace, ``(kind, why)`` if it computes one but must be left alone,
     ``(None, why)`` if it computes none of them. ``inplace_ok``: a module that overwrites its
     input is safe to replace (bn_act's fused op owns the tensor the module would overwrite)."""
     base = _probe_input(dtype, device).requires_grad_()
@@ -144,7 +153,7 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
             with torch.enable_grad():
                 y = module(x)
     except Exception:  # noqa: BLE001 - a module that cannot run on the probe is not an activation
-        return None, "does not compute Swish, Mish or Hard-Swish"
+        return None, _NONE
     finally:
         now = module.__dict__
         side_effect = now.keys() != attrs.keys() or any(now[k] is not v for k, v in attrs.items())
@@ -152,11 +161,11 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
             module.__dict__.clear()
             module.__dict__.update(attrs)
     if not (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype):
-        return None, "does not compute Swish, Mish or Hard-Swish"
+        return None, _NONE
     ref_x = _probe_input(dtype, device)
     kind = next((k for k, (fn, _) in _KINDS.items() if _close(y.detach(), fn(ref_x))), None)
     if kind is None:
-        return None, "does not compute Swish, Mish or Hard-Swish"
+        return None, _NONE
     inplace = x._version != version or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     if inplace and not inplace_ok:
         return kind, "modifies its input in place; the replacement would not"
@@ -183,7 +192,7 @@ def _probe_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
 
 def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device,
                      inplace_ok: bool = False) -> tuple[str | None, str]:
-    """Swish, Mish or Hard-Swish in any form, native or hand-written: ``(kind, why_not)``."""
+    """Swish, Mish, Hard-Swish or tanh-GELU in any form, native or hand-written: ``(kind, why_not)``."""
     if isinstance(module, MemoryEfficientSwish):
         return "swish", ""
     native = _native_kind(module)
@@ -217,7 +226,7 @@ class _WholeModelStep(Step):
 
 @dataclasses.dataclass(frozen=True)
 class Swish(_WholeModelStep):
-    """Step: replace hand-written Swish, Mish and Hard-Swish modules by memory-efficient ones.
+    """Step: replace hand-written Swish, Mish, Hard-Swish and tanh-GELU modules by memory-efficient ones.
 
     Args:
         pattern: which modules to look at (see :func:`shrinkwrap.select`); default: all of them.
@@ -274,9 +283,10 @@ class Swish(_WholeModelStep):
                     skipped.append((name, why))
         if not (replace or done or skipped):
             raise SelectionError(
-                f"shrinkwrap: swish() found no Swish, Mish or Hard-Swish in {type(model).__name__}: no "
-                "stateless module computes x * sigmoid(x), x * tanh(softplus(x)) or x * relu6(x + 3) / 6. "
-                "Leave swish() out of the plan, or name the modules with pattern=..."
+                f"shrinkwrap: swish() found no Swish, Mish, Hard-Swish or tanh-GELU in {type(model).__name__}: "
+                "no stateless module computes x * sigmoid(x), x * tanh(softplus(x)), x * relu6(x + 3) / 6 or "
+                "0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))). Leave swish() out of the plan, "
+                "or name the modules with pattern=..."
             )
         return Targets([*done, *replace], skipped, replace)
 
@@ -293,13 +303,15 @@ class Swish(_WholeModelStep):
 
 
 def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_silu: bool = False) -> nn.Module:
-    """Replace hand-written Swish, Mish and Hard-Swish modules of ``model`` in place; return it.
+    """Replace hand-written Swish, Mish, Hard-Swish and tanh-GELU modules of ``model`` in place;
+    return it.
 
     A module is replaced when it has no parameters, buffers or hooks, and on probe inputs of the
-    model's dtype and device returns what ``F.silu`` (``F.mish``, ``F.hardswish``) returns, with
-    the same gradient, without modifying its input or itself. Swish becomes
-    :class:`MemoryEfficientSwish`; Mish and Hard-Swish become ``nn.Mish`` / ``nn.Hardswish``,
-    which keep only their input. Applying it again changes nothing; ``shrinkwrap.revert(model)``
+    model's dtype and device returns what ``F.silu`` (``F.mish``, ``F.hardswish``, ``F.gelu(x,
+    approximate="tanh")``) returns, with the same gradient, without modifying its input or itself.
+    Swish becomes :class:`MemoryEfficientSwish`; Mish, Hard-Swish and tanh-GELU (Hugging Face's
+    ``NewGELUActivation``, GPT-2's ``gelu_new``) become ``nn.Mish`` / ``nn.Hardswish`` /
+    ``nn.GELU(approximate="tanh")``, which keep only their input. Applying it again changes nothing; ``shrinkwrap.revert(model)``
     puts the original modules back. Raises ``SelectionError`` if ``model`` has no Swish-like
     module at all (unless ``pattern`` names the modules to look at).
 
@@ -349,7 +361,7 @@ def _act_spec(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tu
         return None, f"is followed by {t.__name__}, not an elementwise activation shrinkwrap can fuse"
     if why:
         return None, f"is followed by {t.__name__}, which shrinkwrap cannot fuse: it {why}"
-    return (kind, None), ""
+    return (("gelu", "tanh") if kind == "gelu_tanh" else (kind, None)), ""
 
 
 class _BatchNormActFunction(torch.autograd.Function):
