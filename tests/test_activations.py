@@ -233,10 +233,19 @@ def test_hand_written_tanh_gelu_becomes_native_gelu_keeping_one_tensor():
     assert saved.count == 1
     x = torch.randn(32, 16, dtype=F64)
     assert_same_run(run(model, x), run(ref, x), rtol=1e-14, atol=1e-14)  # the same formula, fused
-    # Native modules: the tanh one is reported as already saving only its input, the exact one ignored.
-    native = sw.apply_swish(nn.Sequential(nn.Linear(4, 4), nn.GELU("tanh"), NaiveSwish(), nn.GELU()))
-    assert type(native[2]) is sw.MemoryEfficientSwish and type(native[3]) is nn.GELU
-    assert dict(sw.records(native)[-1].skipped) == {"1": "native GELU already saves only its input"}
+    # A tanh-GELU that keeps only its input already (native, or one op written by hand) is left be,
+    # unreported: swish() is no candidate for it. The exact GELU is no tanh-GELU.
+    class OneOpGELU(nn.Module):  # Hugging Face's GELUTanh
+        def forward(self, x):
+            return F.gelu(x, approximate="tanh")
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.GELU("tanh"), OneOpGELU(), nn.GELU()).to(F64)
+    assert not sw.swish().applies(plain)
+    native = sw.apply_swish(nn.Sequential(*plain, NaiveSwish()))
+    assert [type(m) for m in native] == [nn.Linear, nn.GELU, OneOpGELU, nn.GELU, sw.MemoryEfficientSwish]
+    assert sw.records(native)[-1].matched == ("4",) and not sw.records(native)[-1].skipped
+    fused = sw.apply_bn_act(conv_stack(OneOpGELU, blocks=1))  # still an activation bn_act can fuse
+    assert isinstance(fused[1], sw.FusedBatchNormAct)
 
 
 def test_gpt2s_gelu_new_is_replaced_and_training_matches_to_rounding():

@@ -82,11 +82,11 @@ class MemoryEfficientSwish(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# Recognising Swish, Mish and Hard-Swish by behaviour
+# Recognising Swish, Mish, Hard-Swish and tanh-GELU by behaviour
 # --------------------------------------------------------------------------------------------
 
 # The reference each candidate is compared against, and the module that replaces a hand-written
-# form. Mish and Hard-Swish get the native module: it already keeps only its input.
+# form. Mish, Hard-Swish and tanh-GELU get the native module: it already keeps only its input.
 _KINDS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], nn.Module]]] = {
     "swish": (F.silu, MemoryEfficientSwish),
     "mish": (F.mish, nn.Mish),
@@ -101,6 +101,10 @@ _REPLACED = "_sw_replacement"  # set on modules this transform put in place, so 
 
 
 _NONE = "does not compute Swish, Mish, Hard-Swish or tanh-GELU"
+# A tanh-GELU that already keeps only its input (nn.GELU('tanh'), HF's GELUTanh, BLOOM's own
+# autograd Function): swish() leaves it be and says nothing, so that it is no candidate for
+# nothing; bn_act() still fuses it after a BatchNorm.
+_ONE_OP = "already keeps only its input"
 
 
 def _probe_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,8 +153,10 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
     attrs = dict(module.__dict__)  # identity, not ==, below: attributes may be tensors
     try:
         # fork_rng: probing a random module (dropout) must not move the user's RNG stream.
+        saved: list[torch.Tensor] = []
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.append(t) or t, lambda t: t):
                 y = module(x)
     except Exception:  # noqa: BLE001 - a module that cannot run on the probe is not an activation
         return None, _NONE
@@ -180,6 +186,8 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
     (ref_grad,) = torch.autograd.grad(_KINDS[kind][0](ref), ref, weight)
     if not _close(grad, ref_grad):
         return kind, f"returns {kind}'s values but not its gradient (a detach() inside?)"
+    if kind == "gelu_tanh" and len(saved) <= 1:
+        return kind, _ONE_OP
     return kind, ""
 
 
@@ -270,11 +278,15 @@ class Swish(_WholeModelStep):
                 # Same memory either way (in-place SiLU saves a copy of its input), but the code
                 # around an in-place module may read its input after the call.
                 skipped.append((name, "in-place nn.SiLU: the code around it may rely on its input being overwritten"))
+            elif native == "gelu_tanh":
+                continue  # no saving to report, and none to try (see _ONE_OP)
             elif native is not None:
                 hint = " (pass include_silu=True to swap it anyway)" if native == "swish" else ""
                 skipped.append((name, f"native {type(module).__name__} already saves only its input{hint}"))
             else:
                 kind, why = _activation_kind(module, dtype, device)
+                if why == _ONE_OP:
+                    continue
                 if kind is not None and not why:
                     replace[name] = kind
                 elif kind is not None or explicit or (
@@ -357,6 +369,7 @@ def _act_spec(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tu
     if t is nn.GELU:
         return ("gelu", module.approximate), ""
     kind, why = _activation_kind(module, dtype, device, inplace_ok=True)
+    why = "" if why == _ONE_OP else why
     if kind is None:
         return None, f"is followed by {t.__name__}, not an elementwise activation shrinkwrap can fuse"
     if why:
@@ -478,7 +491,8 @@ class BnAct(_WholeModelStep):
     (recognised by its ``act`` and ``drop`` children; tested against a stand-in with timm's
     forward, timm itself is not a test dependency). Pairs wired in a ``forward`` (EfficientNet-
     PyTorch's ``self._swish(self._bn0(x))``) cannot be seen and are not fused. Activations:
-    ReLU, ReLU6/Hardtanh, LeakyReLU, GELU, SiLU and Swish in any form, Mish, Hard-Swish.
+    ReLU, ReLU6/Hardtanh, LeakyReLU, GELU, SiLU and Swish in any form, Mish, Hard-Swish, tanh-GELU
+    in any form.
 
     Example::
 
