@@ -24,6 +24,11 @@ hand, as the suite's other anchors do it), since autocast's casts are operators 
 
     from auto_sac import torch_auto_sac
     model = torch_auto_sac(model, batch, share=0.5, dtype=torch.bfloat16)   # then train it under autocast
+
+On a machine that installs nothing (the project's GPU machine), the two packages travel with the
+tree: ``pip install --target .sacdeps pulp pwlf --no-deps`` here (untracked; pulp's CBC binaries
+for other platforms can go), carry ``.sacdeps``, and run with ``PYTHONPATH=$PWD/src:$PWD/.sacdeps``;
+numpy and scipy are the machine's own.
 """
 
 from __future__ import annotations
