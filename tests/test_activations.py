@@ -266,6 +266,19 @@ def test_gpt2s_gelu_new_is_replaced_and_training_matches_to_rounding():
     assert type(model.transformer.h[0].mlp.act) is type(ref.transformer.h[0].mlp.act)
 
 
+@pytest.mark.parametrize("act", [NaiveSwish, NewGELU])
+def test_a_half_precision_model_is_probed_in_float32(act):
+    """In bfloat16 a written-out activation rounds each of its operations, more than one
+    rounding's tolerance: the probe runs in float32, and the module is found as in float32."""
+    model = mlp(act, n=2).to(torch.bfloat16)
+    sw.apply_swish(model)
+    assert sw.records(model)[-1].matched == ("1", "3")
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    ref = mlp(act, n=2).to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x), ref(x), rtol=2e-2, atol=2e-2)  # bfloat16 rounding apart
+
+
 def test_modules_with_state_hooks_or_side_effects_are_left_alone_and_reported():
     hooked = NaiveSwish()
     hooked.register_forward_hook(lambda m, i, o: None)

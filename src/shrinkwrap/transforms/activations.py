@@ -146,7 +146,13 @@ def _probe(module: nn.Module, dtype: torch.dtype, device: torch.device,
     """What a stateless, hook-free module computes: ``(kind, "")`` if it is Swish, Mish,
     Hard-Swish or tanh-GELU and safe to replace, ``(kind, why)`` if it computes one but must be left alone,
     ``(None, why)`` if it computes none of them. ``inplace_ok``: a module that overwrites its
-    input is safe to replace (bn_act's fused op owns the tensor the module would overwrite)."""
+    input is safe to replace (bn_act's fused op owns the tensor the module would overwrite).
+
+    A half-precision model is probed in float32: in bfloat16 a written-out activation's rounding
+    (eight operations for tanh-GELU) exceeds what the comparison allows for one rounding, and a
+    stateless module computes in float32 what it computes in half precision, less rounded."""
+    if dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
     base = _probe_input(dtype, device).requires_grad_()
     x = base.clone()  # not a leaf, so an in-place module runs and can be caught
     version = x._version
@@ -319,7 +325,7 @@ def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_sil
     return it.
 
     A module is replaced when it has no parameters, buffers or hooks, and on probe inputs of the
-    model's dtype and device returns what ``F.silu`` (``F.mish``, ``F.hardswish``, ``F.gelu(x,
+    model's dtype (float32 for a half-precision model) and device returns what ``F.silu`` (``F.mish``, ``F.hardswish``, ``F.gelu(x,
     approximate="tanh")``) returns, with the same gradient, without modifying its input or itself.
     Swish becomes :class:`MemoryEfficientSwish`; Mish, Hard-Swish and tanh-GELU (Hugging Face's
     ``NewGELUActivation``, GPT-2's ``gelu_new``) become ``nn.Mish`` / ``nn.Hardswish`` /
