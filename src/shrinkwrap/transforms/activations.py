@@ -93,7 +93,7 @@ _KINDS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], nn.
     "hardswish": (F.hardswish, nn.Hardswish),
     "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), functools.partial(nn.GELU, approximate="tanh")),
 }
-_NATIVE: dict[type, str] = {nn.SiLU: "swish", nn.Mish: "mish", nn.Hardswish: "hardswish", nn.GELU: "gelu_tanh"}
+_NATIVE: dict[type, str] = {nn.SiLU: "swish", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 # Only used to *report* stateful modules we will not run; replacement never depends on names.
 _LOOKS_LIKE = regex.compile(r"swish|silu|mish", regex.IGNORECASE)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -101,9 +101,9 @@ _REPLACED = "_sw_replacement"  # set on modules this transform put in place, so 
 
 
 _NONE = "does not compute Swish, Mish, Hard-Swish or tanh-GELU"
-# A tanh-GELU that already keeps only its input (nn.GELU('tanh'), HF's GELUTanh, BLOOM's own
-# autograd Function): swish() leaves it be and says nothing, so that it is no candidate for
-# nothing; bn_act() still fuses it after a BatchNorm.
+# A tanh-GELU that already keeps only its input (nn.GELU('tanh') too, found by the probe like any
+# other: HF's GELUTanh, BLOOM's own autograd Function): swish() leaves it be and says nothing, so
+# that it is no candidate for nothing; bn_act() still fuses it after a BatchNorm.
 _ONE_OP = "already keeps only its input"
 
 
@@ -136,8 +136,7 @@ def _has_hooks(module: nn.Module) -> bool:
 def _native_kind(module: nn.Module) -> str | None:
     for cls, kind in _NATIVE.items():
         if isinstance(module, cls) and type(module).forward is cls.forward:
-            # nn.GELU() computes the exact GELU, which is no kind of this step's
-            return None if kind == "gelu_tanh" and module.approximate != "tanh" else kind
+            return kind
     return None
 
 
@@ -284,8 +283,6 @@ class Swish(_WholeModelStep):
                 # Same memory either way (in-place SiLU saves a copy of its input), but the code
                 # around an in-place module may read its input after the call.
                 skipped.append((name, "in-place nn.SiLU: the code around it may rely on its input being overwritten"))
-            elif native == "gelu_tanh":
-                continue  # no saving to report, and none to try (see _ONE_OP)
             elif native is not None:
                 hint = " (pass include_silu=True to swap it anyway)" if native == "swish" else ""
                 skipped.append((name, f"native {type(module).__name__} already saves only its input{hint}"))

@@ -595,8 +595,9 @@ class Checkpoint(Step):
         undo = _rewrite.unwrap_inside(model, targets.matched, CheckpointModule)
         if self.chain:
             chains: dict[str, _Chain] = {}
+            keep = selective(save_ops(self.save))
             for names in targets.payload:
-                chains.update(dict.fromkeys(names, _Chain(names, self.clone_inputs, selective(save_ops(self.save)))))
+                chains.update(dict.fromkeys(names, _Chain(names, self.clone_inputs, keep)))
             make = lambda n, m: ChainMember(m, chains[n], name=n)  # noqa: E731
         else:
             make = lambda n, m: CheckpointModule(  # noqa: E731
