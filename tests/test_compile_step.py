@@ -254,7 +254,7 @@ def test_a_pattern_over_a_container_or_a_chain_member_is_refused():
     with pytest.raises(ValueError, match=r"conv1 \(ChainMember\) is a member of a region over several sibling modules"):
         sw.apply(model, "compile(backend='aot_eager', pattern='conv1|bn1')")
     assert _compiled_names(model) == []
-    sw.apply(model, "compile(backend='aot_eager', pattern=r'layer\d')")  # beside the chain: fine
+    sw.apply(model, r"compile(backend='aot_eager', pattern=r'layer\d')")  # beside the chain: fine
     assert _compiled_names(model) == ["layer1", "layer2"]
 
 

@@ -25,7 +25,9 @@ import dataclasses
 import importlib
 import io
 import multiprocessing
+import multiprocessing.connection
 import pickle
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -157,13 +159,26 @@ def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) ->
         torch.cuda.init()
 
 
-def _end(processes: Sequence[multiprocessing.process.BaseProcess], grace: float) -> None:
-    """Join ``processes``, terminating any still alive after ``grace`` seconds."""
+def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> tuple:
+    """Tell ``pool``'s processes to exit, without waiting; returns what :func:`_end` waits for.
+    The pool is held in it, so that it is not collected while its thread shuts them down."""
+    ending = pool, list((pool._processes or {}).values()), pool._executor_manager_thread
+    pool.shutdown(wait=False, cancel_futures=True)
+    return ending
+
+
+def _end(ending: tuple, grace: float) -> None:
+    """Terminate the processes of a stopped pool (see :func:`_stop`) still alive after ``grace``
+    seconds, and return once the pool's thread has reaped them. Only that thread joins them: a
+    second thread joining the same child races it (the loser's ``waitpid`` fails, and the child
+    stays listed as running)."""
+    _, processes, thread = ending
+    deadline = time.monotonic() + grace
     for process in processes:
-        process.join(timeout=grace)
-        if process.is_alive():
+        if not multiprocessing.connection.wait([process.sentinel], max(0.0, deadline - time.monotonic())):
             process.terminate()
-            process.join()
+    if thread is not None:
+        thread.join()
 
 
 class FreshProcesses:
@@ -185,9 +200,8 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
-        # Pools whose row is done, with their processes, which close() joins. The pool is held too,
-        # so that it is not collected while its manager thread still shuts the process down.
-        self._exiting: list[tuple[Any, list]] = []
+        # Stopped pools whose row is done (see _stop), which close() waits for.
+        self._exiting: list[tuple] = []
 
     def start_next(self) -> None:
         if self._next is None:
@@ -201,19 +215,17 @@ class FreshProcesses:
             return pool.submit(_row, *args).result()
         finally:
             # Not waited for here: the process exits while this one goes on (on an H100 machine its
-            # exit took 4.1 s after a resnet152 row), and close() joins it. Its CUDA context is not
-            # this process's allocator's, so no reading here counts it.
-            self._exiting.append((pool, list((pool._processes or {}).values())))
-            pool.shutdown(wait=False)
+            # exit took 4.1 s after a resnet152 row), and close() waits for it. Its CUDA context is
+            # not this process's allocator's, so no reading here counts it.
+            self._exiting.append(_stop(pool))
 
     def close(self) -> None:
         if self._next is not None:
-            # Unused, it has measured nothing: stopped, not waited for (it may still be importing).
-            _end(list((self._next._processes or {}).values()), grace=0)
-            self._next.shutdown(cancel_futures=True)
+            # Unused, it has measured nothing: stopped at once (it may still be importing).
+            _end(_stop(self._next), grace=0)
             self._next = None
-        for _, processes in self._exiting:
-            _end(processes, grace=10)  # its row came back: nothing is left for it to do
+        for ending in self._exiting:
+            _end(ending, grace=10)  # its row came back: nothing is left for it to do
         self._exiting.clear()
 
     def __enter__(self) -> "FreshProcesses":
