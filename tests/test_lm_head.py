@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -269,6 +270,110 @@ def test_refuses_models_it_cannot_handle_exactly():
         sw.chunked_loss().apply(cohere)
     assert sw.chunked_loss.candidates(_gpt2(), sw.step.Context()) and not sw.chunked_loss.candidates(
         nn.Linear(3, 3), sw.step.Context())
+
+
+class _Toy(nn.Module):
+    """A causal LM as Hugging Face writes one, small enough to vary its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.lm_head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
+        self.config, self.vocab_size = tf.PretrainedConfig(), 64
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.model
+
+    def loss_function(self, logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        hidden_states = outputs[..., :]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
+
+
+class _ScaledHidden(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        hidden_states = outputs / 4
+        logits = self.lm_head(hidden_states)
+        return self.loss_function(logits, labels, self.vocab_size), logits
+
+
+class _SlicedVocab(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        logits = logits[..., :60]
+        return self.loss_function(logits, labels, self.vocab_size), logits
+
+
+class _ZLoss(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        loss = loss + 1e-4 * logits.logsumexp(-1).pow(2).mean()
+        return loss, logits
+
+
+class _OtherSoftcap(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        logits = torch.tanh(logits / 30.0) * 30.0
+        return self.loss_function(logits, labels, self.vocab_size), logits
+
+
+class _HeadInsideMore(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = 2 * self.lm_head(outputs)
+        return self.loss_function(logits, labels, self.vocab_size), logits
+
+
+@pytest.mark.parametrize("toy, quoted", [
+    (_ScaledHidden, "hidden_states = outputs / 4"), (_SlicedVocab, "logits = logits[..., :60]"),
+    (_ZLoss, "loss = loss + 0.0001 * logits.logsumexp"), (_OtherSoftcap, "logits = torch.tanh(logits / 30.0) * 30.0"),
+    (_HeadInsideMore, "2 * self.lm_head(")])
+def test_refuses_a_forward_that_does_more_to_its_logits_or_loss_and_quotes_it(toy, quoted):
+    sw.chunked_loss().apply(_Toy())  # the plain form is taken
+    model = toy()
+    with pytest.raises(sw.SelectionError, match=re.escape(quoted)):
+        sw.chunked_loss().apply(model)
+    assert not sw.records(model) and "forward" not in model.__dict__  # refused before any change
+
+
+def _mixtral(router: bool) -> nn.Module:
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              output_router_logits=router, router_aux_loss_coef=0.5)
+    return tf.MixtralForCausalLM(config).train()
+
+
+def test_a_mixture_of_experts_router_loss_is_refused_and_without_it_the_loss_is_the_models():
+    with pytest.raises(sw.SelectionError, match=re.escape("loss += self.router_aux_loss_coef")):
+        sw.chunked_loss().apply(_mixtral(router=True))
+    model, batch = _mixtral(router=False), _batch()
+    ref_loss, ref_grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    sw.apply(model, sw.Plan([sw.chunked_loss(chunk_size=7)]))
+    loss, grads = _loss_and_grads(model, lambda: model(**batch).loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)  # float32: Mixtral's experts refuse float64
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="output_router_logits"):
+        model(**batch, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        model(**batch)
+    assert model(**batch, output_router_logits=False).loss is not None
 
 
 def test_soft_capping_as_gemma2():

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 __all__ = ['ChunkedLoss', 'apply_chunked_loss']
 
+import ast
 import dataclasses
 import inspect
+import textwrap
 import typing
 from typing import Any
 
@@ -50,8 +52,6 @@ from ..select import SelectionError, require_module
 from ..step import Candidate, Context, Step, Targets, applied_steps
 
 IGNORE_INDEX = -100
-# Words in a forward's source that mean something happens to the logits that this step does not do.
-_UNHANDLED = ("logit_scale", "logits_scaling", "multiplier", "logits_scale")
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -197,13 +197,151 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
                            torch.is_grad_enabled())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """What a causal LM's forward does between its base model and its return, as far as the
+    chunked loss must do it too: ``softcap`` (Gemma 2's final soft-capping of the logits) and
+    ``router`` (the statement adding a mixture of experts' router loss, run only when
+    ``output_router_logits`` is on; the chunked loss refuses those calls)."""
+
+    softcap: bool = False
+    router: str | None = None
+
+
+def _read_forward(model: nn.Module) -> _Forward:
+    """Read ``type(model).forward``'s code: the head's input must be the base model's output (its
+    hidden states, sliced, moved), its output the logits (cast, or soft-capped as Gemma 2's), and the loss HF's
+    ``loss_function`` and nothing else, but for a router loss under ``output_router_logits``.
+    Anything else (a scale on the logits or on the hidden states, a vocabulary slice, a z-loss, a
+    soft-cap of another form) raises ``SelectionError`` quoting the statement: a list of the forms
+    that are known to be reproduced, not of those known not to be, so that a new model's forward is
+    refused rather than silently trained on another loss."""
+    what = type(model).__name__
+    leave = "Leave chunked_loss() out of the plan for it."
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    heads = [] if tree is None else [
+        node for node in ast.walk(tree) if isinstance(node, ast.Assign) and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name) and any(_is_self_call(n, "lm_head") for n in ast.walk(node.value))]
+    calls = [] if tree is None else [n for n in ast.walk(tree) if _is_self_call(n, "loss_function")]
+    if len(heads) != 1 or not calls:
+        raise SelectionError(
+            f"shrinkwrap: chunked_loss() cannot tell how {what}.forward computes its logits and loss (it expects "
+            f"`logits = self.lm_head(hidden_states)` and `self.loss_function(...)`, as Hugging Face's *ForCausalLM). "
+            f"{leave}")
+    head = heads[0]
+    logits = head.targets[0].id
+    value = head.value
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _CASTS:
+        value = value.func.value  # logits.float(), .contiguous(), .to(dtype): the loss is computed wide anyway
+    hidden = _view_of(value.args[0]) if _is_self_call(value, "lm_head") and len(value.args) == 1 else None
+    if hidden is None:
+        raise SelectionError(f"shrinkwrap: {what}.forward computes its logits as `{ast.unparse(head.value)}`, which "
+                             f"chunked_loss() does not reproduce, so its loss would differ. {leave}")
+    # The head's input, and what it is a view of, back to the base model's call.
+    base = {name for name, child in model.named_children() if child is getattr(model, "base_model", None)}
+    views, assigned = {hidden}, list(_assignments(tree))
+    while True:
+        more = {_view_of(n.value) for n, _ in assigned if _target(n).id in views and n.value is not None} - {None}
+        if more <= views:
+            break
+        views |= more
+    found = _Forward()
+    for node, tests in assigned:
+        name, text = _target(node).id, ast.unparse(node)
+        if node is head or node.value is None:
+            continue
+        if name in views and _view_of(node.value) is None and not any(_is_self_call(node.value, b) for b in base):
+            raise SelectionError(f"shrinkwrap: {what}.forward changes the hidden states before its head (`{text}`), "
+                                 f"which chunked_loss() does not reproduce, so its loss would differ. {leave}")
+        if name == logits and not _is_logits(node.value, logits):
+            if not _softcaps(node.value, logits):
+                raise SelectionError(f"shrinkwrap: {what}.forward changes its logits (`{text}`) in a way "
+                                     f"chunked_loss() does not reproduce, so its loss would differ. {leave}")
+            found = dataclasses.replace(found, softcap=True)
+        if name == "loss" and not (isinstance(node, ast.Assign) and (
+                _is_self_call(node.value, "loss_function") or isinstance(node.value, ast.Constant))):
+            if not any("output_router_logits" in test for test in tests):
+                raise SelectionError(f"shrinkwrap: {what}.forward adds to its loss (`{text}`), which chunked_loss() "
+                                     f"does not, so its loss would differ. {leave}")
+            found = dataclasses.replace(found, router=text)
+    return found
+
+
+_CASTS = ("float", "contiguous", "to")
+
+
+def _is_self_call(node: ast.AST, attr: str) -> bool:
+    """``self.<attr>(...)``."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+
+
+def _view_of(node: ast.AST) -> str | None:
+    """The variable that ``node`` is a plain view of (``h``, ``h[:, s, :]``, ``h.to(device)``,
+    ``slice_logits_to_keep(h, k)``, ``outputs[0]``, ``outputs.last_hidden_state``), else None."""
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Attribute) and node.attr == "last_hidden_state":
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to":
+            node = node.func.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "slice_logits_to_keep":
+            node = node.args[0]
+        else:
+            return None
+
+
+def _softcaps(node: ast.AST, logits: str) -> bool:
+    """One statement of Gemma 2's soft-capping of ``logits``: ``logits / cap``, ``torch.tanh(logits)``,
+    ``logits * cap``, ``cap`` being ``config.final_logit_softcapping``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult)):
+        return (_is_logits(node.left, logits) and isinstance(node.right, ast.Attribute)
+                and node.right.attr == "final_logit_softcapping")
+    return (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.tanh" and len(node.args) == 1
+            and _is_logits(node.args[0], logits))
+
+
+def _is_logits(node: ast.AST, logits: str) -> bool:
+    """``logits``, or a cast of it (``logits.float()``)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _CASTS:
+        node = node.func.value
+    return isinstance(node, ast.Name) and node.id == logits
+
+
+def _target(node: ast.Assign | ast.AugAssign | ast.AnnAssign) -> ast.AST:
+    return node.targets[0] if isinstance(node, ast.Assign) else node.target
+
+
+def _assignments(tree: ast.AST, tests: tuple[str, ...] = ()):
+    """Every assignment to one plain name, with the conditions of the ``if`` statements around it."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and isinstance(_target(node), ast.Name) and (
+                not isinstance(node, ast.Assign) or len(node.targets) == 1):
+            yield node, tests
+        yield from _assignments(node, tests + (ast.unparse(node.test),) if isinstance(node, ast.If) else tests)
+
+
+def _router_message(what: str, statement: str) -> str:
+    return (f"shrinkwrap: with output_router_logits on, {what}.forward adds its router's load-balancing loss "
+            f"(`{statement}`), which chunked_loss() does not, so the loss would differ. Turn it off "
+            f"(model.config.output_router_logits = False, and no output_router_logits=True in the call), or "
+            f"leave chunked_loss() out of the plan for this model.")
+
+
 class _ChunkedLossForward(_rewrite.RootForward):
     """The root's forward: in training with labels, base model + chunked loss; otherwise what ran
     before, untouched."""
 
-    def __init__(self, module: nn.Module, chunk_size: int, softcap: float | None, output: type) -> None:
+    def __init__(self, module: nn.Module, chunk_size: int, softcap: float | None, router: str | None,
+                 output: type) -> None:
         super().__init__(module)
-        self.chunk_size, self.softcap, self.output = chunk_size, softcap, output
+        self.chunk_size, self.softcap, self.router, self.output = chunk_size, softcap, router, output
         self.signature = inspect.signature(type(module).forward)
         # Found here, not in the call: dynamo cannot trace dataclasses.fields of a class.
         self.fields = tuple(f.name for f in dataclasses.fields(output) if f.name not in ("loss", "logits"))
@@ -222,6 +360,10 @@ class _ChunkedLossForward(_rewrite.RootForward):
             return self.inner(*args, **kwargs)
         named.pop("labels")
         named.pop("logits_to_keep", None)
+        if self.router:
+            asked = named.get("output_router_logits", extra.get("output_router_logits"))
+            if asked if asked is not None else getattr(model.config, "output_router_logits", False):
+                raise ValueError(_router_message(type(model).__name__, self.router))
         return_dict = extra.pop("return_dict", named.pop("return_dict", None))
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
@@ -289,9 +431,13 @@ class ChunkedLoss(Step):
 
     Refused (``SelectionError``, naming the model and the fix): a model without an ``lm_head``
     ``nn.Linear`` and a base model (``base_model``) under it, with a loss other than HF's causal
-    LM loss (``loss_type``, a ``loss_function`` set by the user), or whose forward scales the
-    logits (``logit_scale``, ``logits_scaling``, a multiplier) in a way this step does not do.
-    ``final_logit_softcapping`` (Gemma 2 and 3) is applied per chunk. Names, ``state_dict`` keys
+    LM loss (``loss_type``, a ``loss_function`` set by the user), or whose forward does anything
+    between its base model and its return that this step does not reproduce (it reads the
+    forward's code: see :func:`_read_forward`; Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``, RecurrentGemma's soft-cap, Bamba's z-loss). ``final_logit_softcapping``
+    (Gemma 2 and 3) is applied per chunk. A mixture of experts' router loss is not computed: with
+    ``config.output_router_logits`` on the step is refused, and a call with it on raises
+    ``ValueError``. Names, ``state_dict`` keys
     and parameters do not change; ``revert`` gives the model's own forward back.
 
     Example::
@@ -332,27 +478,16 @@ class ChunkedLoss(Step):
                 f"shrinkwrap: chunked_loss() computes Hugging Face's causal LM loss, but {what} has "
                 f"loss_type={getattr(model, 'loss_type', None)!r} or a loss_function of its own. Leave "
                 f"chunked_loss() out of the plan, or use the model's default loss.")
-        try:
-            source = inspect.getsource(type(model).forward)
-        except (OSError, TypeError):
-            source = ""
-        if "self.lm_head(" not in source or "loss_function(" not in source:
-            raise SelectionError(
-                f"shrinkwrap: chunked_loss() cannot tell how {what}.forward computes its logits and loss (it "
-                f"expects `self.lm_head(...)` and `self.loss_function(...)`, as Hugging Face's *ForCausalLM). "
-                f"Leave chunked_loss() out of the plan for it.")
-        scaled = [w for w in _UNHANDLED if w in source]
-        if scaled:
-            raise SelectionError(
-                f"shrinkwrap: {what}.forward changes its logits ({', '.join(scaled)}) in a way chunked_loss() "
-                f"does not reproduce, so its loss would differ. Leave chunked_loss() out of the plan for it.")
-        softcap = getattr(config, "final_logit_softcapping", None) if "final_logit_softcapping" in source else None
-        return Targets(["", "lm_head"], payload=softcap)
+        forward = _read_forward(model)
+        if forward.router and getattr(config, "output_router_logits", False):
+            raise SelectionError(_router_message(what, forward.router))
+        softcap = getattr(config, "final_logit_softcapping", None) if forward.softcap else None
+        return Targets(["", "lm_head"], payload=(softcap, forward.router))
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         if not targets.matched:
             return []
-        forward = _ChunkedLossForward(model, self.chunk_size, targets.payload, _output_class(model))
+        forward = _ChunkedLossForward(model, self.chunk_size, *targets.payload, _output_class(model))
         entry = _Unlink(forward, model.__dict__.get("_get_name"))
         # Under every other root forward already there: autocast and the rest wrap the whole of it.
         above = model.__dict__.get("forward")
