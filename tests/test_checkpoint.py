@@ -578,3 +578,80 @@ def test_a_second_backward_through_a_keeping_region_is_torchs_own_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward an extra time"):
         loss.backward()
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_kept_output_changed_in_place_is_named_in_backward(chain):
+    # As timm's squeeze-excite: a convolution whose output an in-place activation overwrites.
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU(inplace=True)), nn.Conv2d(4, 2, 1))
+    pattern = "0|1" if chain else "1"
+    sw.apply(model.double(), sw.checkpoint(pattern, save=("conv",), chain=chain))
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    if chain:
+        model(x).sum().backward()  # a chain's first forward runs its members plainly, watching the parent
+    with pytest.raises(RuntimeError, match=r"keeps the output .* In-place modules in it: 1\.1 \(ReLU\(inplace=True\)\)"):
+        model(x).sum().backward()
+
+
+class _RunningVar(nn.Module):
+    """As timm's EvoNorm2dB0: a running variance updated in forward that the output does not read
+    in training."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("running_var", torch.ones(1, channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.var(dim=(0, 2, 3), keepdim=True)
+        with torch.no_grad():
+            self.running_var.mul_(0.9).add_(0.1 * var)
+        return x / (var + 1e-5).sqrt()
+
+
+def _buffer_models() -> dict:
+    def net(last: nn.Module) -> nn.Module:  # a block to checkpoint, and a head
+        return nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(), last), nn.Conv2d(4, 2, 1))
+    return {
+        "running_var": lambda: net(_RunningVar(4)),
+        "spectral_norm": lambda: net(nn.utils.spectral_norm(nn.Conv2d(4, 4, 3))),
+        "parametrizations.spectral_norm": lambda: net(nn.utils.parametrizations.spectral_norm(nn.Conv2d(4, 4, 3))),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_buffer_models()))
+@pytest.mark.parametrize("region", [dict(pattern="0"), dict(pattern=r"0\.\d", chain=True),
+                                    dict(pattern="0", save=("conv",))])
+def test_buffers_a_region_changes_in_forward_match_the_plain_model(kind, region):
+    # A spectral norm's power iteration reads and advances its vectors in every training forward: the
+    # recompute must start from the forward's vectors (else another weight, other gradients) and
+    # not advance them again; a running variance must be counted once.
+    torch.manual_seed(0)
+    ref = _buffer_models()[kind]().double()
+    model = sw.apply(copy.deepcopy(ref), sw.checkpoint(**region))
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    for step in range(3):  # a chain's first forward runs plainly; then checkpointed
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+            assert torch.equal(a.grad, b.grad), (step, n)
+        for (n, a), (_, b) in zip(ref.named_buffers(), model.named_buffers()):
+            assert torch.equal(a, b), (step, n)
+
+
+def test_a_buffer_first_changed_in_a_later_forward_is_named():
+    class Sometimes(_RunningVar):
+        on = False
+
+        def forward(self, x):
+            return super().forward(x) if self.on else x
+
+    model = sw.apply(nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), Sometimes(4)), nn.Conv2d(4, 2, 1)).double(),
+                     sw.checkpoint("0"))
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    model(x).sum().backward()
+    model[0][1].on = True
+    with pytest.raises(RuntimeError, match=r"module '0' changed '0\.1\.running_var' in this forward"):
+        model(x)
+    fresh = copy.deepcopy(model)  # a copy learns again: its first forward copies every buffer
+    fresh(x).sum().backward()

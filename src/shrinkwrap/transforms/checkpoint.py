@@ -7,6 +7,10 @@ fixes what the plain recipe gets wrong:
 - BatchNorm: the recompute would update running statistics a second time; they are restored
   after the recompute, so ``running_mean``, ``running_var`` and ``num_batches_tracked`` match the
   unwrapped model's;
+- other buffers the forward changes (an EvoNorm's running variance, a spectral norm's
+  power-iteration vectors, which its weight is computed from): the recompute starts from their
+  values before the forward and leaves them as the forward did (see ``_Buffers``: found at the
+  region's first forward, copied at each forward after it only where it changed them);
 - in-place input: a region that modifies its own input in place would recompute from the
   modified value; that is refused at apply time where it can be seen (the region is, or starts
   with, a module with ``inplace=True``) and raised with the module's name at the first forward
@@ -45,8 +49,8 @@ refused, and so is one that changes a tensor in place or that torch decomposes b
 checkpoint sees it (``linear``: name ``addmm``/``mm``, or ``"matmul"``). The kept outputs are held
 by the checkpoint, not saved through autograd's saved-tensor hooks, so an ``offload`` region does
 not move them. Limits of torch's selective checkpoint, raised by torch in backward: an in-place
-operation on a kept output inside the region (``Linear`` then ``ReLU(inplace=True)``: "Tensor
-cached during selective activation checkpoint has been mutated"), and a second backward through
+operation on a kept output inside the region (``Linear`` then ``ReLU(inplace=True)``, timm's
+squeeze-excite; raised again naming the region's in-place modules and the fix), and a second backward through
 the region (``retain_graph=True``). Under ``torch.compile`` the compiler's partitioner keeps the
 same outputs, and that is where it pays: eager, torch's selective checkpoint runs every operator
 of the region through a Python dispatch mode, which on an H100 cost gpt2 more than the matrix
@@ -103,20 +107,71 @@ from ..select import Pattern, SelectionError, block_groups, has_params, pattern_
 from ..step import Candidate, Context, Step, Targets
 
 
-class _RestoreNormStats:
-    """Recompute context: put BatchNorm running statistics back as they were before it."""
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(unwrap(m), nn.modules.batchnorm._NormBase)  # also a BatchNorm inside bn_act
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
+
+class _Buffers:
+    """The buffers a region's forward changes in place besides BatchNorm statistics (an EvoNorm's
+    running variance, a spectral norm's power-iteration vectors), which its recompute would change
+    again, and may read (the spectral norm's weight comes from them).
+
+    Learned at the region's first checkpointed forward, which copies every such buffer of the
+    region; later forwards copy only those the forward changed before (none, in most models: a
+    few version reads). The recompute starts from the copies, as the forward did, and the values
+    the forward left are put back after it. A forward that changes a buffer the earlier ones did
+    not raises, naming it: its value before that forward is gone."""
+
+    def __init__(self) -> None:
+        self.changed: list[tuple[nn.Module, str]] | None = None
+
+    def __getstate__(self) -> dict:
+        return {"changed": None}  # a copy learns again, on its own modules
+
+    def watch(self, named: list[tuple[str, nn.Module]]) -> Callable[[str], dict]:
+        """Before the forward; returns what to call after it (with the region's description),
+        which gives the copies of the buffers the forward changed, by (module, name)."""
+        watched = [(m, n, f"{region}.{sub}.{n}".replace("..", ".").strip("."))
+                   for region, module in named for sub, m in module.named_modules()
+                   if not _is_norm(m) for n, b in m._buffers.items() if b is not None]
+        before = [(m._buffers[n], m._buffers[n]._version) for m, n, _ in watched]
+        keep = None if self.changed is None else set(map(_key, self.changed))
+        copies = {_key((m, n)): m._buffers[n].clone() for m, n, _ in watched if keep is None or _key((m, n)) in keep}
+
+        def after(what: str) -> dict:
+            changed = [(m, n, name) for (m, n, name), (b, v) in zip(watched, before)
+                       if m._buffers[n] is not b or b._version != v]
+            unseen = [name for m, n, name in changed if _key((m, n)) not in copies]
+            if unseen:
+                raise RuntimeError(
+                    f"shrinkwrap: checkpointed {what} changed {', '.join(map(repr, unseen))} in this forward, which "
+                    f"its earlier forwards did not change, so the value its recompute must start from is gone. "
+                    f"Checkpoint a region without the module that changes it.")
+            self.changed = [(m, n) for m, n, _ in changed]
+            return {(m, n): copies[_key((m, n))] for m, n, _ in changed}
+        return after
+
+
+def _key(pair: tuple[nn.Module, str]) -> tuple[int, str]:
+    return id(pair[0]), pair[1]
+
+
+class _RestoreBuffers:
+    """Recompute context: the buffers in ``start`` set to the values the forward started from, and
+    every buffer the recompute changes (those, and BatchNorm running statistics) put back as it
+    was before the recompute."""
+
+    def __init__(self, modules: list[nn.Module], start: dict) -> None:
+        self.modules, self.start = modules, start
 
     def __enter__(self) -> None:
-        self.saved = [
-            (buf, buf.clone())
-            for module in self.modules
-            for m in module.modules()
-            if isinstance(unwrap(m), nn.modules.batchnorm._NormBase)  # also a BatchNorm inside bn_act
-            for buf in m.buffers(recurse=False)
-        ]
+        norms = [buf for module in self.modules for m in module.modules() if _is_norm(m)
+                 for buf in m.buffers(recurse=False)]
+        started = [m._buffers[n] for m, n in self.start]
+        self.saved = [(buf, buf.clone()) for buf in norms + started]
+        with torch.no_grad():
+            for buf, value in zip(started, self.start.values()):
+                buf.copy_(value)
 
     def __exit__(self, *exc: Any) -> None:
         with torch.no_grad():
@@ -292,23 +347,53 @@ class _Both:
             self.first.__exit__(*exc)
 
 
-def _checkpointed(fn: Callable[..., Any], modules: list[nn.Module], what: str, clone: bool,
-                  args: tuple, kwargs: dict, keep: dict | None = None) -> Any:
+class _KeptMutated:
+    """Recompute context of a region keeping outputs: torch's error for a kept output that the
+    region then changed in place ("Tensor cached during selective activation checkpoint has been
+    mutated", raised in backward with no module named) raised again naming the region's in-place
+    modules and the fix."""
+
+    def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
+        self.named = named
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, RuntimeError) and "selective activation checkpoint has been mutated" in str(exc):
+            inplace = [f"{region}.{sub}".strip(".") + f" ({type(m).__name__}(inplace=True))"
+                       for region, module in self.named for sub, m in module.named_modules()
+                       if getattr(m, "inplace", None) is True]
+            raise RuntimeError(
+                f"shrinkwrap: the checkpoint region {' -> '.join(repr(n) for n, _ in self.named)} keeps the output "
+                f"of an operator named in save=, and then changes that output in place (an in-place activation "
+                f"right after a convolution or a Linear), so the kept value is no longer the one the recompute "
+                f"needs. In-place modules in it: {', '.join(inplace) or 'none (an in-place operation in its code)'}. "
+                f"Set inplace=False on them, or leave that operator out of save=.") from exc
+
+
+def _checkpointed(fn: Callable[..., Any], named: list[tuple[str, nn.Module]], buffers: _Buffers, what: str,
+                  clone: bool, args: tuple, kwargs: dict, keep: dict | None = None) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, with the eager safeguards: the
-    BatchNorm statistics of ``modules`` put back after the recompute, the containers among the
-    inputs copied for it, and an input changed in place raised after the forward, naming the
-    region (``what``: "module 'layer1'"); autocast's weight cache off inside it
-    (:func:`_uncached_autocast`); the outputs ``keep`` names kept (:func:`selective`)."""
+    buffers of the region (``named``: its modules by name) that the recompute would change again
+    put back after it, and those its forward reads started where the forward started (see
+    :class:`_Buffers`); the containers among the inputs copied for it, and an input changed in
+    place raised after the forward, naming the region (``what``: "module 'layer1'"); autocast's
+    weight cache off inside it (:func:`_uncached_autocast`); the outputs ``keep`` names kept
+    (:func:`selective`)."""
     inputs = list(tensors((args, kwargs)))
     versions = [t._version for t in inputs]
+    modules = [m for _, m in named]
+    after = buffers.watch(named)
+    start: dict = {}  # filled after the forward: the recompute's context is made before it
 
     def contexts() -> tuple:
         if not keep:
-            return contextlib.nullcontext(), _RestoreNormStats(modules)
+            return contextlib.nullcontext(), _RestoreBuffers(modules, start)
         forward, recompute = keep["context_fn"]()
-        # The statistics are copied and put back outside the selective mode, which would take
+        # The buffers are copied and put back outside the selective mode, which would take
         # those copies for operators of the region that the forward never ran.
-        return forward, _Both(_RestoreNormStats(modules), recompute)
+        return forward, _Both(_KeptMutated(named), _Both(_RestoreBuffers(modules, start), recompute))
 
     with _uncached_autocast():
         out = _torch_checkpoint(
@@ -320,6 +405,7 @@ def _checkpointed(fn: Callable[..., Any], modules: list[nn.Module], what: str, c
             "its recompute in backward would start from the modified value. Checkpoint a region "
             "that starts after the in-place operation, or pass clone_inputs=True."
         )
+    start.update(after(what))
     return out
 
 
@@ -351,6 +437,7 @@ class CheckpointModule(TransparentWrapper):
         self._sw_name = name or type(module).__name__
         self._sw_clone_inputs = clone_inputs
         self._sw_keep = selective(save_ops(save))
+        self._sw_buffers = _Buffers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped
@@ -365,8 +452,8 @@ class CheckpointModule(TransparentWrapper):
             # once, and its graphs are functional, so an in-place input change cannot leak into
             # the recompute; the eager safeguards below are neither needed nor traceable.
             return _torch_checkpoint(_call, inner, kwargs, *args, use_reentrant=False, **self._sw_keep)
-        return _checkpointed(inner, [inner], f"module {self._sw_name!r}", self._sw_clone_inputs, args, kwargs,
-                             self._sw_keep)
+        return _checkpointed(inner, [(self._sw_name, inner)], self._sw_buffers, f"module {self._sw_name!r}",
+                             self._sw_clone_inputs, args, kwargs, self._sw_keep)
 
 
 class _Chain:
@@ -382,6 +469,7 @@ class _Chain:
         self.names, self.clone, self.keep = names, clone, keep
         self.text = " -> ".join(map(repr, names))  # for messages; a string, which dynamo can format
         self.members: list[ChainMember] = []
+        self.buffers = _Buffers()
         self.verified = False
         self._reset()
 
@@ -415,8 +503,8 @@ class _Chain:
                 # by the compiler's partitioner. The calls below are checked as the graph is traced.
                 self.outs = _torch_checkpoint(_call, self.run, kwargs, *args, use_reentrant=False, **self.keep)
             elif self.verified:
-                self.outs = _checkpointed(self.run, self.members, f"chain {self.text}", self.clone, args, kwargs,
-                                          self.keep)
+                self.outs = _checkpointed(self.run, list(zip(self.names, self.members)), self.buffers,
+                                          f"chain {self.text}", self.clone, args, kwargs, self.keep)
             out = member.wrapped(*args, **kwargs) if self.outs is None else self.outs[0]
             self.step, self.last = 1, out
             return out
