@@ -124,16 +124,19 @@ class _Buffers:
 
     def __init__(self) -> None:
         self.changed: list[tuple[nn.Module, str]] | None = None
+        self.slots: list[tuple[nn.Module, str, str]] | None = None  # the region's buffers, found once
 
     def __getstate__(self) -> dict:
-        return {"changed": None}  # a copy learns again, on its own modules
+        return {"changed": None, "slots": None}  # a copy learns again, on its own modules
 
     def watch(self, named: list[tuple[str, nn.Module]]) -> Callable[[str], dict]:
         """Before the forward; returns what to call after it (with the region's description),
         which gives the copies of the buffers the forward changed, by (module, name)."""
-        watched = [(m, n, f"{region}.{sub}.{n}".replace("..", ".").strip("."))
-                   for region, module in named for sub, m in module.named_modules()
-                   if not _is_norm(m) for n, b in m._buffers.items() if b is not None]
+        if self.slots is None:
+            self.slots = [(m, n, f"{region}.{sub}.{n}".replace("..", ".").strip("."))
+                          for region, module in named for sub, m in module.named_modules()
+                          if not _is_norm(m) for n, b in m._buffers.items() if b is not None]
+        watched = self.slots
         before = [(m._buffers[n], m._buffers[n]._version) for m, n, _ in watched]
         keep = None if self.changed is None else set(map(_key, self.changed))
         copies = {_key((m, n)): m._buffers[n].clone() for m, n, _ in watched if keep is None or _key((m, n)) in keep}
