@@ -146,6 +146,32 @@ def test_an_mlp_that_computes_more_is_left_alone():
         sw.apply(model, "swiglu()")
 
 
+class _PlainMLP(_DropoutMLP):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _ClampedMLP(_DropoutMLP):  # as transformers' DeepseekV4MLP (swiglu_limit)
+    def forward(self, x):
+        gate, up = self.gate_proj(x).clamp(max=10.0), self.up_proj(x).clamp(-10.0, 10.0)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def test_an_mlp_that_clamps_large_values_is_left_alone():
+    model = nn.Sequential(_ClampedMLP()).to(F64).train()
+    with pytest.raises(sw.SelectionError, match="does not compute"):
+        sw.apply(model, "swiglu()")
+    deepseek = getattr(getattr(getattr(tf.models, "deepseek_v4", None), "modeling_deepseek_v4", None), "DeepseekV4MLP",
+                       None)
+    if deepseek is not None:  # transformers 5.x
+        real = nn.Sequential(deepseek(tf.DeepseekV4Config(hidden_size=16, intermediate_size=32))).to(F64).train()
+        with pytest.raises(sw.SelectionError, match="does not compute"):
+            sw.apply(real, "swiglu()")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):  # large probe rows overflow both sides alike
+        plain = sw.apply(nn.Sequential(_PlainMLP()).to(dtype), "swiglu()")
+        assert sw.records(plain)[0].matched == ("0",), dtype
+
+
 def test_traces_without_a_graph_break():
     model, batch = _llama(attention_dropout=0.0), _batch()
     ref = _run(copy.deepcopy(model), batch)
