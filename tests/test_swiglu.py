@@ -142,7 +142,7 @@ class _DropoutMLP(nn.Module):
 
 def test_an_mlp_that_computes_more_is_left_alone():
     model = nn.Sequential(_DropoutMLP()).eval()  # dropout would be skipped were it judged in eval
-    with pytest.raises(sw.SelectionError, match="dropout or more inside"):
+    with pytest.raises(sw.SelectionError, match="dropout, a clamp or more inside"):
         sw.apply(model, "swiglu()")
 
 

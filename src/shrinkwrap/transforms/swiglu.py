@@ -123,7 +123,7 @@ def _gated_mlp(module: nn.Module) -> str:
     # Rounded to finite values first: a half-precision model overflows on the largest rows alike.
     if not (isinstance(got, torch.Tensor) and got.shape == want.shape
             and torch.equal(got.nan_to_num(), want.nan_to_num())):
-        return "does not compute down_proj(act_fn(gate_proj(x)) * up_proj(x)) (dropout or more inside?)"
+        return "does not compute down_proj(act_fn(gate_proj(x)) * up_proj(x)) (dropout, a clamp or more inside?)"
     return ""
 
 
