@@ -112,51 +112,49 @@ def _is_norm(m: nn.Module) -> bool:
 
 
 class _Buffers:
-    """The buffers a region's forward changes in place besides BatchNorm statistics (an EvoNorm's
-    running variance, a spectral norm's power-iteration vectors), which its recompute would change
-    again, and may read (the spectral norm's weight comes from them).
+    """The buffers a region's forward changes besides BatchNorm statistics (an EvoNorm's running
+    variance, a spectral norm's power-iteration vectors, an EMA codebook written through
+    ``.data``), which its recompute would change again, and may read (the spectral norm's weight
+    comes from them).
 
-    Learned at the region's first checkpointed forward, which copies every such buffer of the
-    region; later forwards copy only those the forward changed before (none, in most models: a
-    few version reads). The recompute starts from the copies, as the forward did, and the values
-    the forward left are put back after it. A forward that changes a buffer the earlier ones did
-    not raises, naming it: its value before that forward is gone."""
+    Found at the region's first checkpointed forward, which copies every such buffer of the
+    region and compares (version counters miss writes through ``.data``); later forwards copy
+    only those found so far (none, in most models), and find more by version and identity. The
+    recompute starts from the copies, as the forward did, and the values the forward left are
+    put back after it. A forward that changes a buffer none before it did raises, naming it: its
+    value before that forward is gone. The region's buffers are listed at every forward (10 us
+    for 16 modules on a CPU), so that a module added inside it later is seen."""
 
     def __init__(self) -> None:
-        self.changed: list[tuple[nn.Module, str]] | None = None
-        self.slots: list[tuple[nn.Module, str, str]] | None = None  # the region's buffers, found once
+        self.changed: set[tuple[int, str]] | None = None  # (id(module), name); None: no forward yet
 
     def __getstate__(self) -> dict:
-        return {"changed": None, "slots": None}  # a copy learns again, on its own modules
+        return {"changed": None}  # a copy finds them again, on its own modules
 
     def watch(self, named: list[tuple[str, nn.Module]]) -> Callable[[str], dict]:
         """Before the forward; returns what to call after it (with the region's description),
-        which gives the copies of the buffers the forward changed, by (module, name)."""
-        if self.slots is None:
-            self.slots = [(m, n, f"{region}.{sub}.{n}".replace("..", ".").strip("."))
-                          for region, module in named for sub, m in module.named_modules()
-                          if not _is_norm(m) for n, b in m._buffers.items() if b is not None]
-        watched = self.slots
-        before = [(m._buffers[n], m._buffers[n]._version) for m, n, _ in watched]
-        keep = None if self.changed is None else set(map(_key, self.changed))
-        copies = {_key((m, n)): m._buffers[n].clone() for m, n, _ in watched if keep is None or _key((m, n)) in keep}
+        which gives the copies the recompute starts from, by (module, name)."""
+        slots = [(m, n, b, b._version) for _, module in named for m in module.modules() if not _is_norm(m)
+                 for n, b in m._buffers.items() if b is not None]
+        first = self.changed is None
+        copies = {(id(m), n): b.clone() for m, n, b, _ in slots if first or (id(m), n) in self.changed}
 
         def after(what: str) -> dict:
-            changed = [(m, n, name) for (m, n, name), (b, v) in zip(watched, before)
-                       if m._buffers[n] is not b or b._version != v]
-            unseen = [name for m, n, name in changed if _key((m, n)) not in copies]
+            changed = {(id(m), n) for m, n, b, v in slots
+                       if m._buffers.get(n) is not b or b._version != v or (first and not torch.equal(
+                           copies[(id(m), n)], b))}
+            unseen = changed - copies.keys()
             if unseen:
+                names = [f"{region}.{sub}.{n}".replace("..", ".").strip(".") for region, module in named
+                         for sub, m in module.named_modules() for n in m._buffers if (id(m), n) in unseen]
                 raise RuntimeError(
-                    f"shrinkwrap: checkpointed {what} changed {', '.join(map(repr, unseen))} in this forward, which "
+                    f"shrinkwrap: checkpointed {what} changed {', '.join(map(repr, names))} in this forward, which "
                     f"its earlier forwards did not change, so the value its recompute must start from is gone. "
                     f"Checkpoint a region without the module that changes it.")
-            self.changed = [(m, n) for m, n, _ in changed]
-            return {(m, n): copies[_key((m, n))] for m, n, _ in changed}
+            self.changed = (self.changed or set()) | changed
+            return {(m, n): copies[(id(m), n)] for m, n, _, _ in slots if (id(m), n) in self.changed
+                    and m._buffers.get(n) is not None}
         return after
-
-
-def _key(pair: tuple[nn.Module, str]) -> tuple[int, str]:
-    return id(pair[0]), pair[1]
 
 
 class _RestoreBuffers:
