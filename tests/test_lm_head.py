@@ -302,7 +302,8 @@ class _ScaledHidden(_Toy):
         outputs = self.model(input_ids)
         hidden_states = outputs / 4
         logits = self.lm_head(hidden_states)
-        return self.loss_function(logits, labels, self.vocab_size), logits
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
 
 
 class _SlicedVocab(_Toy):
@@ -310,7 +311,8 @@ class _SlicedVocab(_Toy):
         outputs = self.model(input_ids)
         logits = self.lm_head(outputs)
         logits = logits[..., :60]
-        return self.loss_function(logits, labels, self.vocab_size), logits
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
 
 
 class _ZLoss(_Toy):
@@ -327,17 +329,65 @@ class _OtherSoftcap(_Toy):
         outputs = self.model(input_ids)
         logits = self.lm_head(outputs)
         logits = torch.tanh(logits / 30.0) * 30.0
-        return self.loss_function(logits, labels, self.vocab_size), logits
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
 
 
 class _HeadInsideMore(_Toy):
     def forward(self, input_ids, labels=None):
         outputs = self.model(input_ids)
         logits = 2 * self.lm_head(outputs)
-        return self.loss_function(logits, labels, self.vocab_size), logits
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
+
+
+class _InPlace(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        logits.mul_(0.25)
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
+
+
+class _MaskedVocab(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        logits[..., 60:] = -1e4
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
+
+
+class _HalfSoftcap(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        logits = logits / self.config.final_logit_softcapping
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return loss, logits
+
+
+class _SumOfLosses(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        lm_loss = self.loss_function(logits, labels, self.vocab_size)
+        total = lm_loss + 1e-4 * logits.logsumexp(-1).pow(2).mean()
+        return total, logits
+
+
+class _OtherArguments(_Toy):
+    def forward(self, input_ids, labels=None):
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs)
+        loss = self.loss_function(logits, labels, self.vocab_size, ignore_index=0)
+        return loss, logits
 
 
 @pytest.mark.parametrize("toy, quoted", [
+    (_InPlace, "logits.mul_(0.25)"), (_MaskedVocab, "logits[..., 60:] = -10000.0"),
+    (_HalfSoftcap, "(divide)"), (_SumOfLosses, "total = lm_loss + 0.0001"), (_OtherArguments, "ignore_index=0"),
     (_ScaledHidden, "hidden_states = outputs / 4"), (_SlicedVocab, "logits = logits[..., :60]"),
     (_ZLoss, "loss = loss + 0.0001 * logits.logsumexp"), (_OtherSoftcap, "logits = torch.tanh(logits / 30.0) * 30.0"),
     (_HeadInsideMore, "2 * self.lm_head(")])

@@ -248,26 +248,69 @@ def _read_forward(model: nn.Module) -> _Forward:
         if more <= views:
             break
         views |= more
-    found = _Forward()
+    losses = {"loss"} | {_target(n).id for n, _ in assigned if isinstance(n, ast.Assign)
+                         and _is_self_call(n.value, "loss_function")}
+    unhandled = lambda text, what_: SelectionError(  # noqa: E731
+        f"shrinkwrap: {what}.forward {what_} (`{text}`), which chunked_loss() does not reproduce, so its loss "
+        f"would differ. {leave}")
+    for node in ast.walk(tree):
+        # In place, or into a part: `logits.mul_(s)`, `logits[..., n:] = x`, `loss.data = ...`.
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _root(node.value) in views | {
+                logits} | losses:
+            raise unhandled(ast.unparse(node), "changes a tensor of its head or loss in place")
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+                not isinstance(t, ast.Name) and _root(t) in views | {logits} | losses
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            raise unhandled(ast.unparse(node), "writes into a tensor of its head or loss")
+    for call in calls:
+        extra = [k.arg for k in call.keywords if k.arg not in (None, "logits", "labels", "vocab_size", "pad_token_id")]
+        given = dict(zip(("logits", "labels"), call.args)) | {k.arg: k.value for k in call.keywords if k.arg}
+        if extra or ast.unparse(given.get("logits", ast.Constant(None))) != logits or ast.unparse(
+                given.get("labels", ast.Constant(None))) != "labels":
+            raise unhandled(ast.unparse(call), "calls its loss function with other arguments")
+        if not any(n.value is call for n, _ in assigned if isinstance(n, ast.Assign)):
+            raise unhandled(ast.unparse(call), "uses its loss function's value inside an expression")
+    found, softcap = _Forward(), []
     for node, tests in assigned:
         name, text = _target(node).id, ast.unparse(node)
         if node is head or node.value is None:
             continue
-        if name in views and _view_of(node.value) is None and not any(_is_self_call(node.value, b) for b in base):
-            raise SelectionError(f"shrinkwrap: {what}.forward changes the hidden states before its head (`{text}`), "
-                                 f"which chunked_loss() does not reproduce, so its loss would differ. {leave}")
+        if name in views and _view_of(node.value) is None and not any(_calls(node.value, b) for b in base):
+            raise unhandled(text, "changes the hidden states before its head")
         if name == logits and not _is_logits(node.value, logits):
-            if not _softcaps(node.value, logits):
-                raise SelectionError(f"shrinkwrap: {what}.forward changes its logits (`{text}`) in a way "
-                                     f"chunked_loss() does not reproduce, so its loss would differ. {leave}")
-            found = dataclasses.replace(found, softcap=True)
-        if name == "loss" and not (isinstance(node, ast.Assign) and (
+            step = _softcap_step(node.value, logits)
+            if step is None:
+                raise unhandled(text, "changes its logits")
+            softcap.append(step)
+        if name in losses and not (isinstance(node, ast.Assign) and (
                 _is_self_call(node.value, "loss_function") or isinstance(node.value, ast.Constant))):
             if not any("output_router_logits" in test for test in tests):
-                raise SelectionError(f"shrinkwrap: {what}.forward adds to its loss (`{text}`), which chunked_loss() "
-                                     f"does not, so its loss would differ. {leave}")
+                raise unhandled(text, "adds to its loss")
             found = dataclasses.replace(found, router=text)
-    return found
+        elif name not in losses and any(isinstance(n, ast.Name) and n.id in losses for n in ast.walk(node.value)):
+            raise unhandled(text, "builds another loss on its loss")
+    if softcap and softcap != ["divide", "tanh", "multiply"]:
+        raise SelectionError(f"shrinkwrap: {what}.forward soft-caps its logits in steps ({', '.join(softcap)}) "
+                             f"other than Gemma 2's (divide, tanh, multiply), which chunked_loss() reproduces. {leave}")
+    return dataclasses.replace(found, softcap=bool(softcap))
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute, item or method call starts from (``logits`` of ``logits[0].mul_``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _calls(node: ast.AST, attr: str) -> bool:
+    """A call of ``self.<attr>`` or of a module under it (``self.model.decoder(...)``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    while isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute):
+        func = func.value
+    return isinstance(func, ast.Attribute) and func.attr == attr and isinstance(func.value, ast.Name) and (
+        func.value.id == "self")
 
 
 _CASTS = ("float", "contiguous", "to")
@@ -297,14 +340,19 @@ def _view_of(node: ast.AST) -> str | None:
             return None
 
 
-def _softcaps(node: ast.AST, logits: str) -> bool:
-    """One statement of Gemma 2's soft-capping of ``logits``: ``logits / cap``, ``torch.tanh(logits)``,
-    ``logits * cap``, ``cap`` being ``config.final_logit_softcapping``."""
+def _softcap_step(node: ast.AST, logits: str) -> str | None:
+    """Which step of Gemma 2's soft-capping of ``logits`` a statement's value is: ``divide``
+    (``logits / cap``), ``tanh`` (``torch.tanh(logits)``) or ``multiply`` (``logits * cap``),
+    ``cap`` being ``config.final_logit_softcapping``; None for anything else."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult)):
-        return (_is_logits(node.left, logits) and isinstance(node.right, ast.Attribute)
-                and node.right.attr == "final_logit_softcapping")
-    return (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.tanh" and len(node.args) == 1
-            and _is_logits(node.args[0], logits))
+        if _is_logits(node.left, logits) and isinstance(node.right, ast.Attribute) and (
+                node.right.attr == "final_logit_softcapping"):
+            return "divide" if isinstance(node.op, ast.Div) else "multiply"
+        return None
+    if (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.tanh" and len(node.args) == 1
+            and _is_logits(node.args[0], logits)):
+        return "tanh"
+    return None
 
 
 def _is_logits(node: ast.AST, logits: str) -> bool:
