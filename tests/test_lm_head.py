@@ -36,7 +36,14 @@ def _llama(vocab: int = 64) -> nn.Module:  # untied
     return tf.LlamaForCausalLM(config).to(F64).train()
 
 
-MODELS = {"gpt2": _gpt2, "llama": _llama}
+def _opt(vocab: int = 64) -> nn.Module:  # its forward calls the base model's decoder, self.model.decoder(...)
+    torch.manual_seed(0)
+    config = tf.OPTConfig(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1, pad_token_id=0)
+    return tf.OPTForCausalLM(config).to(F64).train()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt}
 
 
 def _batch(vocab: int = 64) -> dict:
