@@ -200,11 +200,14 @@ def test_logits_unchanged_without_labels_and_in_eval(arch):
     assert model(**batch).logits is None  # chunked training returns no logits
 
 
-def test_return_dict_false_gives_a_tuple_starting_with_the_loss():
+def test_return_dict_false_gives_a_tuple_with_the_models_positions():
     model, batch = _gpt2(), _batch()
+    plain = model(**batch, return_dict=False, use_cache=True)
     sw.apply(model, sw.Plan([sw.chunked_loss()]))
-    out = model(**batch, return_dict=False)
-    assert isinstance(out, tuple) and out[0].dim() == 0
+    out = model(**batch, return_dict=False, use_cache=True)
+    assert isinstance(out, tuple) and len(out) == len(plain) and out[0].dim() == 0
+    assert out[1] is None and plain[1].shape[-1] == 64  # the logits' place, empty in chunked training
+    assert type(out[2]) is type(plain[2])  # the cache where it was
 
 
 @pytest.mark.parametrize("frozen_head", [False, True])

@@ -425,7 +425,9 @@ class _ChunkedLossForward(_rewrite.RootForward):
                                      softcap=self.softcap, num_items_in_batch=extra.get("num_items_in_batch"))
         out = self.output(loss=loss, logits=None,
                           **{k: getattr(base_out, k) for k in self.fields if getattr(base_out, k, None) is not None})
-        return out if return_dict else out.to_tuple()
+        # The tuple keeps the logits' place (None): to_tuple() drops None fields, which would move
+        # the cache to where the caller's out[1] expects the logits.
+        return out if return_dict else (loss, None, *out.to_tuple()[1:])
 
 
 def _output_class(model: nn.Module) -> type:
