@@ -107,6 +107,11 @@ from ..select import Pattern, SelectionError, block_groups, has_params, pattern_
 from ..step import Candidate, Context, Step, Targets
 
 
+def _dotted(*parts: str) -> str:
+    """A dotted name from its parts, the empty ones (the region's root) left out."""
+    return ".".join(p for p in parts if p)
+
+
 def _is_norm(m: nn.Module) -> bool:
     return isinstance(unwrap(m), nn.modules.batchnorm._NormBase)  # also a BatchNorm inside bn_act
 
@@ -145,7 +150,7 @@ class _Buffers:
                            copies[(id(m), n)], b))}
             unseen = changed - copies.keys()
             if unseen:
-                names = [f"{region}.{sub}.{n}".replace("..", ".").strip(".") for region, module in named
+                names = [_dotted(region, sub, n) for region, module in named
                          for sub, m in module.named_modules() for n in m._buffers if (id(m), n) in unseen]
                 raise RuntimeError(
                     f"shrinkwrap: checkpointed {what} changed {', '.join(map(repr, names))} in this forward, which "
@@ -362,7 +367,7 @@ class _KeptMutated:
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if isinstance(exc, RuntimeError) and "selective activation checkpoint has been mutated" in str(exc):
-            inplace = [f"{region}.{sub}".strip(".") + f" ({type(m).__name__}(inplace=True))"
+            inplace = [f"{_dotted(region, sub)} ({type(m).__name__}(inplace=True))"
                        for region, module in self.named for sub, m in module.named_modules()
                        if getattr(m, "inplace", None) is True]
             raise RuntimeError(

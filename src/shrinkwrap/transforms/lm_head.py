@@ -218,13 +218,18 @@ def _read_forward(model: nn.Module) -> _Forward:
     refused rather than silently trained on another loss."""
     what = type(model).__name__
     leave = "Leave chunked_loss() out of the plan for it."
+
+    def unhandled(text: str, does: str) -> SelectionError:
+        return SelectionError(f"shrinkwrap: {what}.forward {does} (`{text}`), which chunked_loss() does not "
+                              f"reproduce, so its loss would differ. {leave}")
+
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
     except (OSError, TypeError, SyntaxError):
         tree = None
-    heads = [] if tree is None else [
-        node for node in ast.walk(tree) if isinstance(node, ast.Assign) and len(node.targets) == 1
-        and isinstance(node.targets[0], ast.Name) and any(_is_self_call(n, "lm_head") for n in ast.walk(node.value))]
+    assigned = [] if tree is None else list(_assignments(tree))
+    heads = [node for node, _ in assigned if isinstance(node, ast.Assign)
+             and any(_is_self_call(n, "lm_head") for n in ast.walk(node.value))]
     calls = [] if tree is None else [n for n in ast.walk(tree) if _is_self_call(n, "loss_function")]
     if len(heads) != 1 or not calls:
         raise SelectionError(
@@ -238,11 +243,10 @@ def _read_forward(model: nn.Module) -> _Forward:
         value = value.func.value  # logits.float(), .contiguous(), .to(dtype): the loss is computed wide anyway
     hidden = _view_of(value.args[0]) if _is_self_call(value, "lm_head") and len(value.args) == 1 else None
     if hidden is None:
-        raise SelectionError(f"shrinkwrap: {what}.forward computes its logits as `{ast.unparse(head.value)}`, which "
-                             f"chunked_loss() does not reproduce, so its loss would differ. {leave}")
+        raise unhandled(ast.unparse(head.value), "computes its logits otherwise")
     # The head's input, and what it is a view of, back to the base model's call.
     base = {name for name, child in model.named_children() if child is getattr(model, "base_model", None)}
-    views, assigned = {hidden}, list(_assignments(tree))
+    views = {hidden}
     while True:
         more = {_view_of(n.value) for n, _ in assigned if _target(n).id in views and n.value is not None} - {None}
         if more <= views:
@@ -250,9 +254,6 @@ def _read_forward(model: nn.Module) -> _Forward:
         views |= more
     losses = {"loss"} | {_target(n).id for n, _ in assigned if isinstance(n, ast.Assign)
                          and _is_self_call(n.value, "loss_function")}
-    unhandled = lambda text, what_: SelectionError(  # noqa: E731
-        f"shrinkwrap: {what}.forward {what_} (`{text}`), which chunked_loss() does not reproduce, so its loss "
-        f"would differ. {leave}")
     for node in ast.walk(tree):
         # In place, or into a part: `logits.mul_(s)`, `logits[..., n:] = x`, `loss.data = ...`.
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _root(node.value) in views | {
@@ -270,7 +271,7 @@ def _read_forward(model: nn.Module) -> _Forward:
             raise unhandled(ast.unparse(call), "calls its loss function with other arguments")
         if not any(n.value is call for n, _ in assigned if isinstance(n, ast.Assign)):
             raise unhandled(ast.unparse(call), "uses its loss function's value inside an expression")
-    found, softcap = _Forward(), []
+    softcap, router = [], None
     for node, tests in assigned:
         name, text = _target(node).id, ast.unparse(node)
         if node is head or node.value is None:
@@ -286,13 +287,13 @@ def _read_forward(model: nn.Module) -> _Forward:
                 _is_self_call(node.value, "loss_function") or isinstance(node.value, ast.Constant))):
             if not any("output_router_logits" in test for test in tests):
                 raise unhandled(text, "adds to its loss")
-            found = dataclasses.replace(found, router=text)
+            router = text
         elif name not in losses and any(isinstance(n, ast.Name) and n.id in losses for n in ast.walk(node.value)):
             raise unhandled(text, "builds another loss on its loss")
     if softcap and softcap != ["divide", "tanh", "multiply"]:
         raise SelectionError(f"shrinkwrap: {what}.forward soft-caps its logits in steps ({', '.join(softcap)}) "
                              f"other than Gemma 2's (divide, tanh, multiply), which chunked_loss() reproduces. {leave}")
-    return dataclasses.replace(found, softcap=bool(softcap))
+    return _Forward(softcap=bool(softcap), router=router)
 
 
 def _root(node: ast.AST) -> str | None:
