@@ -204,11 +204,37 @@ def test_prefetch_brings_the_previous_region_back_ahead(one_thread):
         run(model, torch.randn(32, 64, dtype=torch.float64))
     finally:
         off._Held.fetch = orig
-    # Backward reaches region 4 (the head) first: its first unpack starts all of region 3's copies
-    # back before its own; region 3's first unpack starts region 2's, and so on.
+    # Backward reaches region 4 (the head) first: its first unpack starts all of its own copies
+    # back, then all of region 3's; region 3's first unpack starts region 2's, and so on.
     runs = [f for i, f in enumerate(fetched) if i == 0 or fetched[i - 1] != f]
-    assert runs == ["3", "4", "2", "1", "0"]
+    assert runs == ["4", "3", "2", "1", "0"]
     assert model[0]._sw_schedule.order == []
+
+
+def test_a_region_nothing_prefetched_starts_all_its_copies_back_at_its_first_unpack(one_thread):
+    # Region 0 alone: no region after it starts its copies. Its first unpack starts them all, so
+    # later tensors arrive while the first is in use, not one after another on demand.
+    _, model = pair(r"0", make=mlp, keep_last=False, min_bytes=1024)
+    events = []
+    fetch, take = off._Held.fetch, off._Held.take
+
+    def spy_fetch(self):
+        if self.ready is None:
+            events.append("fetch")
+        fetch(self)
+
+    def spy_take(self):
+        events.append("take")
+        return take(self)
+
+    off._Held.fetch, off._Held.take = spy_fetch, spy_take
+    try:
+        run(model, torch.randn(32, 64, dtype=torch.float64))
+    finally:
+        off._Held.fetch, off._Held.take = fetch, take
+    n = model[0].traffic.tensors_offloaded
+    assert n >= 2
+    assert events == ["fetch"] * n + ["take"] * n
 
 
 def test_deepcopy_and_pickle(one_thread):
