@@ -13,7 +13,12 @@ backward copies it back. Everything else (small tensors, parameters, buffers) st
   tensor is marked as in use on the side stream (``record_stream``), so the allocator reuses its
   memory only once the copy is done, while the forward goes on without waiting for it (waiting at
   the region's end cost the forward the whole transfer: about 16 ms per Llama block of 1.1 GB on
-  an H100). Host copies go to pinned memory, so the copies run asynchronously.
+  an H100). Host copies go to pinned memory, so the copies run asynchronously. Memory the
+  allocator cannot reuse yet is not counted as allocated, and while it waits the allocator asks
+  the driver for more: the reserved bytes can exceed the plain model's (a 12-block MLP on an H100:
+  2432 MiB reserved against 2000 plain, 384 MiB allocated against 1840). Under a cap the allocator
+  waits for the copies before it gives up, so what fits is what ``max_memory_allocated`` says;
+  the forward then waits for the copies.
 - Prefetch: in backward, the first tensor a region asks for starts the copies back of all its own
   tensors and of the region that ran before it in the forward (one region ahead), on the side
   stream; the compute stream waits for a tensor's copy only when it needs it.
