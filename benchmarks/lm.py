@@ -60,14 +60,18 @@ def _llama128k(tied: bool) -> Any:
         rope_theta=500000.0)
 
 
-def _blocks_from(blocks: str, k: int) -> str:
-    """A checkpoint of the blocks numbered k and up (k <= 9), for ``blocks`` ending in ``\\d+``."""
-    return f"checkpoint(r'{blocks[:-len(chr(92) + 'd+')]}(?:[{k}-9]|[1-9]\\d)')"
-
-
-def _first(blocks: str, n: int) -> str:
-    """The first n blocks (n <= 10)."""
-    return f"{blocks[:-len(chr(92) + 'd+')]}[0-{n - 1}]"
+def _first_blocks_plain(blocks: str) -> dict[str, str]:
+    """The blocks from k on checkpointed, the first k plain, and offload on the first n of those
+    (``offload`` selects n + 1: keep_last keeps the last selected on the device). Where the
+    forward's end, not one block's backward, is the peak, what offload moves comes off the peak."""
+    prefix = blocks.removesuffix(r"\d+")  # the blocks' regex without their number
+    out = {}
+    for k in (6, 8):
+        plan = f"checkpoint(r'{prefix}(?:[{k}-9]|[1-9]\\d)'), "
+        for tag, n in (("", 0), ("_offload0", 1), ("_offload01", 2), ("_offload012", 3)):
+            offload = f"offload(r'{prefix}[0-{n}]'), " if n else ""
+            out[f"ckpt{k}up_bf16_chunked{tag}"] = plan + offload + "chunked_loss(), autocast(torch.bfloat16)"
+    return out
 
 
 def plans(blocks: str) -> dict[str, str]:
@@ -98,13 +102,7 @@ def plans(blocks: str) -> dict[str, str]:
         # offload, one block's backward set the Llama row's peak), at more held between passes.
         "ckpt_parts_bf16_chunked": f"{parts}, chunked_loss(), autocast(torch.bfloat16)",
         "ckpt_parts_bf16_chunked_offload": f"{parts}, offload(r'{blocks}'), chunked_loss(), autocast(torch.bfloat16)",
-        # The later blocks checkpointed, the first k plain, and offload on the first of those (its
-        # last selected block stays, keep_last): where the forward's end, not one block's backward,
-        # is the peak, what offload moves comes off the peak.
-        **{f"ckpt{k}up_bf16_chunked{tag}": f"{_blocks_from(blocks, k)}, {off}chunked_loss(), autocast(torch.bfloat16)"
-           for k in (6, 8) for tag, off in (("", ""), ("_offload0", f"offload(r'{_first(blocks, 2)}'), "),
-                                           ("_offload01", f"offload(r'{_first(blocks, 3)}'), "),
-                                           ("_offload012", f"offload(r'{_first(blocks, 4)}'), "))},
+        **_first_blocks_plain(blocks),
         "chunked_bf16_compiled": "chunked_loss(), autocast(torch.bfloat16), compile()",
         # Regional: the norms and the MLP compiled, attention eager (bert under compile traced its
         # attention into unfused math that keeps the probabilities; eager runs the fused kernel).

@@ -310,13 +310,17 @@ def _cuda_peak(model, x):
     return torch.cuda.max_memory_allocated() - base, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.cuda
-def test_cuda_peak_memory_drops_and_gradients_bit_equal():
+def _cuda_pair():
+    """An input, the plain 12 blocks and the same offloaded, each measured once by ``_cuda_peak``."""
     x = torch.randn(4096, 1024, device="cuda")
     ref = _cuda_blocks()
     model = sw.apply(_cuda_blocks(), sw.Plan([sw.offload(r"\d+")]))
-    p_ref, g_ref = _cuda_peak(ref, x)
-    p_off, g_off = _cuda_peak(model, x)
+    return x, ref, model, _cuda_peak(ref, x), _cuda_peak(model, x)
+
+
+@pytest.mark.cuda
+def test_cuda_peak_memory_drops_and_gradients_bit_equal():
+    _, _, model, (p_ref, g_ref), (p_off, g_off) = _cuda_pair()
     # Each block saves 144 MiB (its input, the GELU's input and output); its gradients take 32 MiB.
     # Offloaded, the device holds at most the last block, the block in flight and the one
     # prefetched ahead of it: about 3 of the 12 blocks' saved tensors, with every gradient.
@@ -332,11 +336,7 @@ def test_cuda_offloaded_model_trains_under_a_cap_the_plain_model_exceeds():
     # for more, so the reserved bytes can exceed the plain model's. Under a cap it waits for the
     # copies instead (it synchronises outstanding events before it gives up), so what fits is what
     # max_memory_allocated says, the figure every report of offload gives.
-    x = torch.randn(4096, 1024, device="cuda")
-    ref = _cuda_blocks()
-    model = sw.apply(_cuda_blocks(), sw.Plan([sw.offload(r"\d+")]))
-    p_ref, g_ref = _cuda_peak(ref, x)
-    p_off, _ = _cuda_peak(model, x)
+    x, ref, model, (p_ref, g_ref), (p_off, _) = _cuda_pair()
     ref.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
