@@ -181,13 +181,15 @@ def check_copy(case: Case, how: str, expected: Trace) -> None:
 
 
 @functools.cache
-def compiled_step(case: Case) -> tuple[Trace, str | None]:
-    """One training step of the checkpointed model under ``torch.compile(backend="aot_eager")``, and
-    the graph break that ``fullgraph=True`` refused (None if it traced as one graph)."""
+def compiled_step(case: Case, plan: sw.Plan | None = None) -> tuple[Trace, str | None]:
+    """One training step of the model with ``plan`` (None: every block checkpointed) under
+    ``torch.compile(backend="aot_eager")``, and the graph break that ``fullgraph=True`` refused
+    (None if it traced as one graph)."""
     graph_break = None
     for fullgraph in (True, False):
         torch._dynamo.reset()
-        compiled = torch.compile(checkpointed(case), backend="aot_eager", fullgraph=fullgraph)
+        model = checkpointed(case) if plan is None else sw.apply(case.build(), plan)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
         # Logging is no computation: dynamo may pass over it. (HF's loss_function warns once in
         # GPT-2's forward, which would break the untransformed model's graph too. Read after the
         # build: importing transformers adds Logger.warning_once.)
