@@ -6,10 +6,13 @@ Step times: every configuration of the model in this process, in turns
 (``shrinkwrap.time_interleaved``, paired ratios in the table). Memory: each configuration alone in
 a fresh process, read two ways:
 
-- ``activation MiB``: ``shrinkwrap.measure`` there. A CUDA graph's replay writes into its private
-  memory pool without the allocator's counters seeing it (alone they read 45 MiB of resnet18's
-  1283), so for a graphed model the harness counts the pool's reserved bytes, less the gradients
-  in it: an upper bound.
+- ``activation MiB``: ``shrinkwrap.measure`` there, on the model fresh. A CUDA graph's replay
+  writes into its private memory pool without the allocator's counters seeing it (alone they read
+  45 MiB of resnet18's 1283), so for a graphed model the harness reads the warm-up iteration that
+  recorded the graphs, whose allocations the replays reuse (``Profile.graph_recorded``; before
+  2026-11-26 it counted the pool's reserved bytes, less the gradients in it: an upper bound).
+  Each ``_cg`` plan's twin without graphs, where the table has one, runs the same program: the
+  two readings should agree.
 - ``activation (reserved)``: the steady iterations' peak of the allocator's reserved bytes, less
   the parameters, buffers, gradients, optimizer state and batch, the model's output dropped before
   backward. It counts the caching allocator's slack too, for every row alike.
@@ -44,6 +47,7 @@ LAYOUT = {"resnet18": "channels_last(), ", "resnet152": "channels_last(), "}
 BLOCKS = {"resnet18": r"layer\d\.\d+", "resnet152": r"layer\d\.\d+", "efficientnet_b0": r"features\.[1-7]\.\d+",
           "bert": r"bert\.encoder\.layer\.\d+", "gpt2": r"transformer\.h\.\d+"}
 HEAD = {"gpt2": "chunked_loss(), "}
+STEM = {"resnet18": "checkpoint('conv1'), "}  # the stem's convolution recomputed: its 196 MiB output not kept
 
 
 def plans(model_name: str) -> dict[str, str]:
@@ -51,11 +55,14 @@ def plans(model_name: str) -> dict[str, str]:
     pre = HEAD.get(model_name, "") + LAYOUT.get(model_name, "") + "autocast(torch.bfloat16), "
     ckpt = f"checkpoint(r'{BLOCKS[model_name]}'), "
     b = BUDGET[model_name]
+    stem = {"sw_stem_budget": STEM[model_name] + pre + f"compile(memory_budget={b})",
+            "sw_stem_budget_cg": STEM[model_name] + pre + f"compile({CG}, memory_budget={b})"} if model_name in STEM else {}
     return {
         "sw_budget": pre + f"compile(memory_budget={b})",
         "sw_budget_cg": pre + f"compile({CG}, memory_budget={b})",
         "sw_ckpt_cg": ckpt + pre + f"compile({CG})",
         "sw_ckpt_budget_cg": ckpt + pre + f"compile({CG}, memory_budget={b})",
+        **stem,
     }
 
 
@@ -85,6 +92,8 @@ def memory_one(model_name: str, config: str, iterations: int = 2, warmup: int = 
         default_loss(call_model(model, batch)).backward()
         opt.step()
 
+    # The harness first, on the model fresh: a graphed model is read where its graphs are recorded.
+    prof = sw.measure(model, batch, device="cuda", warmup=3, iterations=2)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -98,8 +107,8 @@ def memory_one(model_name: str, config: str, iterations: int = 2, warmup: int = 
         step()
     torch.cuda.synchronize()
     peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
-    prof = sw.measure(model, batch, device="cuda", warmup=1, iterations=2)  # the harness, this model's pool alone
     return {"model": model_name, "config": config, "harness_activation_mib": round((prof.peak - prof.static) / 2**20, 1),
+            "graph_recorded": prof.graph_recorded, "graph_pool_mib": round((prof.graph_pool or 0) / 2**20, 1),
             "reserved_activation_mib": round((peak_reserved - state) / 2**20, 1),
             "allocated_activation_mib": round((peak_allocated - allocated) / 2**20, 1),
             "state_mib": round(state / 2**20, 1), "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
@@ -113,7 +122,8 @@ def run(model_name: str, rounds: int, only: list[str] | None, parallel: int = 3)
     names = [n for n in configurations(model_name) if not only or n in only]
 
     def fresh(name: str) -> dict[str, Any]:
-        proc = subprocess.run([sys.executable, __file__, "--memory-one", model_name, name],
+        budget = ["--budget", str(BUDGET[model_name])]
+        proc = subprocess.run([sys.executable, __file__, "--memory-one", model_name, name, *budget],
                               capture_output=True, text=True, timeout=400)
         last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
         out = json.loads(last[0]) if last else {"error": proc.stderr.strip().splitlines()[-1:]}
@@ -135,7 +145,8 @@ def fresh_row(row: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
     row.update(activation_in_process_mib=row.get("activation_in_process_mib", row.get("activation_mib")),
                reserved_activation_mib=fresh.get("reserved_activation_mib"),
                fresh_harness_activation_mib=fresh.get("harness_activation_mib"),
-               cudagraph_skips=fresh.get("cudagraph_skips"), fresh_error=fresh.get("error"))
+               cudagraph_skips=fresh.get("cudagraph_skips"), fresh_error=fresh.get("error"),
+               graph_recorded=fresh.get("graph_recorded"), graph_pool_mib=fresh.get("graph_pool_mib"))
     if row["fresh_harness_activation_mib"] is not None:
         row["activation_mib"] = row["fresh_harness_activation_mib"]
     return row
@@ -146,7 +157,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                        {"in this process MiB": lambda r: r.get("activation_in_process_mib"),
                         "activation (reserved) MiB": lambda r: r.get("reserved_activation_mib"),
                         "x compile+bf16 (reserved)": lambda r: _ratio(rows, r, "reserved_activation_mib"),
-                        "cudagraph skips": lambda r: r.get("cudagraph_skips")})
+                        "cudagraph skips": lambda r: r.get("cudagraph_skips"),
+                        "read at recording": lambda r: r.get("graph_recorded"),
+                        "pool reserved MiB": lambda r: r.get("graph_pool_mib") or "-"})
 
 
 def _ratio(rows: list[dict[str, Any]], row: dict[str, Any], key: str) -> Any:
@@ -161,8 +174,11 @@ if __name__ == "__main__":
     p.add_argument("--configs")
     p.add_argument("--json")
     p.add_argument("--parallel", type=int, default=3, help="fresh memory processes at a time")
+    p.add_argument("--budget", type=float, help="the partitioner's budget of the _budget plans (default: BUDGET)")
     p.add_argument("--memory-one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.budget is not None:  # the fresh processes get it through their own command line
+        BUDGET = {name: args.budget for name in BUDGET}
     if args.memory_one:
         print(json.dumps(memory_one(*args.memory_one)))
         sys.exit(0)

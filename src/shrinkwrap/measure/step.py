@@ -5,7 +5,8 @@ An iteration (a training step; "step" in shrinkwrap means a plan step) is
 the model in place (restored afterwards):
 
 1. the first iteration, recording allocated memory after each phase and the peak during it (CUDA);
-2. warm-up iterations;
+2. warm-up iterations (a compiled model's read like the first: the one that records its CUDA
+   graphs is where their memory can be seen, see :class:`Profile`);
 3. gc, ``empty_cache``, ``reset_peak_memory_stats``, then one steady-state iteration recorded the
    same way: its peak is the number a report shows, broken down into parameters, gradients,
    optimizer state, the batch and activations/other;
@@ -77,11 +78,16 @@ class Profile:
     (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
     again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set): the
     model's backward runs as a CUDA graph (``mode='reduce-overhead'``; seen by its gradients lying
-    in a private memory pool). A replayed graph writes into its pool without the allocator's
-    counters seeing it, so the steady figures then count every private pool's reserved bytes
-    (``graph_pool``) as in use throughout the step, and the gradients in it as static: an upper
-    bound (other graphed models of the process included), where the counters alone would show
-    almost nothing.
+    in a private memory pool, whose reserved bytes ``graph_pool`` holds). A replayed graph writes
+    into its pool without the allocator's counters seeing it, so the steady step's own readings
+    would show almost nothing. Where a warm-up iteration recorded the graphs of functions first
+    run in this measure (``graph_recorded``: a model compiled fresh, as :func:`measure` and
+    autoplan's rows get it), the steady figures are that iteration's, less what it began with, on
+    the steady step's static bytes: a recording makes its allocations in the open, and every
+    replay reuses exactly those addresses. Otherwise (graphs recorded before :func:`measure` was
+    called, where a later re-recording of one function would read low) the steady figures count
+    every private pool's reserved bytes as in use throughout the step: an upper bound, other
+    graphed models of the process included. The gradients in the pool count as static either way.
 
     Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
     ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
@@ -114,6 +120,7 @@ class Profile:
     recompiles: int | None = None
     graph_breaks: int | None = None
     graph_pool: int | None = None
+    graph_recorded: bool = False
     rank: int | None = None
     ranks: list["Profile"] = field(default_factory=list)
 
@@ -163,9 +170,12 @@ class Profile:
         if self.compiled:
             lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
                          f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
-        if self.cuda_graphs:
+        if self.graph_recorded:
+            lines.append("  CUDA graphs: peak read at the iteration that recorded them (replays reuse its allocations); "
+                         f"their private pools reserve {mib(self.graph_pool)}")
+        elif self.cuda_graphs:
             lines.append(f"  CUDA graphs: their private pools' {mib(self.graph_pool)} reserved counted as in use "
-                         "throughout the step (an upper bound)")
+                         "throughout the step (an upper bound: they were recorded before this measure)")
         for p in self.ranks:
             memory = f"peak {mib(p.peak)}" if p.peak is not None else f"saved for backward {mib(p.saved or 0)}"
             lines.append(f"  rank {p.rank}: {memory}, parameters+buffers {mib(p.parameters)}, step {p.step_ms:.1f} ms")
@@ -493,9 +503,24 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     graphs_start, breaks_start = counts()
     _clean(device)
     first: list[Phase] = []
-    first_ms = _timed(lambda: first.extend(_phases(step, device)) if cuda else step(), device, 1)[0]
+    recording: list[Phase] = []  # the iteration that recorded CUDA graphs, less what it began with
+    trees = _graph_trees(device) if compiled and cuda else None
+
+    def read(phases: list[Phase]) -> None:  # one CUDA iteration, read phase by phase
+        nonlocal recording
+        before, start = _graph_trees(device) if trees else None, torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        phases.extend(_phases(step, device))
+        after = _graph_trees(device) if before else None
+        # Only graphs of functions new in this measure are recorded whole in one iteration (their
+        # warm-up came first); a function's re-recording replays the rest unseen, reading low.
+        if after and after[1] != before[1] and after[0] > trees[0]:
+            rebased = [Phase(p.name, p.allocated - start, p.peak - start) for p in phases]
+            recording = max(recording, rebased, key=lambda ps: max((p.peak for p in ps), default=0))
+
+    first_ms = _timed(lambda: read(first) if cuda else step(), device, 1)[0]
     for _ in range(options.warmup - 1):
-        step()
+        read([]) if compiled and cuda else step()
     graphs_warm, _ = counts()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
@@ -503,7 +528,8 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     pool, pooled_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
     if pooled_grads:  # its backward wrote them there: a graph it replays
         static += pooled_grads
-        steady = [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
+        steady = ([Phase(p.name, p.allocated + static, p.peak + static) for p in recording] if recording
+                  else [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady])
     _transfers(model, reset=True)
     times = _timed(step, device, options.iterations)
     transfers = {k: v / options.iterations for k, v in _transfers(model, reset=True).items() if v}
@@ -543,6 +569,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
         graph_pool=pool if pooled_grads else None,
+        graph_recorded=bool(pooled_grads and recording),
     )
 
 
@@ -657,6 +684,26 @@ def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tupl
              if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
     pooled = [g for g in grads if g is not None and any(a <= local(g).untyped_storage().data_ptr() < b for a, b in spans)]
     return sum(b - a for a, b in spans), _bytes(pooled)
+
+
+def _graph_trees(device: torch.device) -> tuple[int, int] | None:
+    """What ``torch.compile``'s CUDA graph trees hold for ``device`` in this thread: the compiled
+    functions they know, and the graphs recorded (each node of a tree is one recording). None
+    where this torch's trees cannot say."""
+    try:
+        from torch._inductor import cudagraph_trees
+
+        index = torch.cuda.current_device() if device.index is None else device.index
+        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+        if manager is None:
+            return 0, 0
+        nodes, count = [n for ns in manager.roots.values() for n in ns], 0
+        while nodes:
+            count += 1
+            nodes.extend(c for cs in nodes.pop().children.values() for c in cs)
+        return len(manager.ids_to_funcs), count
+    except Exception:  # noqa: BLE001 - private structures of torch: without them, the upper bound
+        return None
 
 
 def _dynamo_counts() -> tuple[int, int]:
