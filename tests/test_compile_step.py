@@ -310,11 +310,20 @@ def test_measure_counts_the_memory_cuda_graphs_keep():
     graphs: at least what the same program keeps without graphs (on an H100 this MLP read 117.2
     MiB against 80.7: a recording allocates some 30-36 MiB more, in every model tried), and no
     more than the pool counted whole (130.2). Recorded before (the second measure), the pool is
-    counted whole. A plain compiled model measured beside it is not counted as graphed."""
+    counted whole. A model run once before the measure records in its first iteration, and with
+    warmup=1 the steady step is the recording: both are read there. A plain compiled model
+    measured beside them is not counted as graphed."""
     x = torch.randn(16384, 64)
     plain = sw.apply(_mlp(), [sw.compile()])
     graphed = sw.apply(_mlp(OtherMLP), [sw.compile(mode="reduce-overhead")])
     g1, p, g2 = (sw.measure(m, x, device="cuda", warmup=3) for m in (graphed, plain, graphed))
+    once = sw.apply(_mlp(type("ThirdMLP", (MLP,), {})).cuda(), [sw.compile(mode="reduce-overhead")])
+    once(x.cuda()).sum().backward()
+    fresh = sw.apply(_mlp(type("FourthMLP", (MLP,), {})), [sw.compile(mode="reduce-overhead")])
+    g3, g4 = sw.measure(once, x, device="cuda", warmup=3), sw.measure(fresh, x, device="cuda", warmup=1)
+    for g in (g3, g4):
+        assert g.cuda_graphs and g.graph_recorded
+        assert p.peak - p.static <= g.peak - g.static <= g2.peak - g2.static, [(m.peak - m.static) / 2**20 for m in (g, p, g2)]
     act = [(m.peak - m.static) / 2**20 for m in (g1, p, g2)]
     assert not p.cuda_graphs and p.graph_pool is None and not p.graph_recorded
     assert g1.graph_recorded and not g2.graph_recorded, act
@@ -325,7 +334,7 @@ def test_measure_counts_the_memory_cuda_graphs_keep():
     assert "recorded them" in str(g1) and "upper bound" in str(g2)
 
 
-def test_graph_trees_counts_their_functions_and_every_node(monkeypatch):
+def test_graph_trees_reads_every_node_and_the_current_path(monkeypatch):
     from types import SimpleNamespace
 
     from torch._inductor import cudagraph_trees
@@ -333,16 +342,34 @@ def test_graph_trees_counts_their_functions_and_every_node(monkeypatch):
     from shrinkwrap.measure.step import _graph_trees
 
     def node(*children):
-        return SimpleNamespace(children={"f": list(children)} if children else {})
+        n = SimpleNamespace(children={"f": list(children)} if children else {}, parent=None)
+        for c in children:
+            c.parent = n
+        return n
 
-    manager = SimpleNamespace(roots={"fwd": [node(node(), node(node()))], "other": [node()]},
-                              ids_to_funcs={"fwd": None, "bwd": None, "other": None})
+    leaf, mid, other = node(), node(), node()
+    root = node(mid, node(leaf))
+    manager = SimpleNamespace(roots={"fwd": [root], "other": [other]}, current_node=leaf)
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: manager)
-    assert _graph_trees(torch.device("cuda", 0)) == (3, 5)
+    nodes, path = _graph_trees(torch.device("cuda", 0))
+    assert len(nodes) == 5 and {id(root), id(mid), id(leaf), id(other)} <= nodes
+    assert path[0] == id(leaf) and path[-1] == id(root) and len(path) == 3  # last run first, up to the root
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: None)
-    assert _graph_trees(torch.device("cuda", 0)) == (0, 0)  # nothing compiled with graphs yet
+    assert _graph_trees(torch.device("cuda", 0)) == (frozenset(), ())  # nothing compiled with graphs yet
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: object())
     assert _graph_trees(torch.device("cuda", 0)) is None  # a torch whose trees say nothing: the upper bound
+
+
+def test_an_iteration_is_read_as_a_recording_only_where_it_recorded_every_graph_it_ran():
+    from shrinkwrap.measure.step import _recorded_whole
+
+    old = frozenset({1, 2})
+    assert _recorded_whole((old, ()), (old | {3, 4}, (4, 3)))  # forward and backward both recorded
+    assert not _recorded_whole((old, ()), (old | {4}, (4, 2)))  # the backward re-recorded, the forward replayed
+    assert not _recorded_whole((old, (2, 1)), (old, (2, 1)))  # replayed only
+    assert not _recorded_whole((old, ()), (old, (99,)))  # a warm-up: its node is not a recorded one
+    assert not _recorded_whole((old, ()), (old | {3}, ()))  # no path to read
+    assert not _recorded_whole(None, (old | {3}, (3,))) and not _recorded_whole((old, ()), None)
 
 
 def test_regional_compile_of_hugging_face_bert_trains_as_eager_in_float64():

@@ -479,19 +479,23 @@ def test_cuda_one_warm_up_iteration_reaches_an_eager_models_steady_peak():
     assert peaks[0] == peaks[1] == peaks[2]
 
 
-def test_graph_pools_counts_private_pools_and_the_gradients_inside_them(monkeypatch):
+def test_graph_pools_counts_private_pools_and_the_gradients_a_replay_wrote_there(monkeypatch):
     """The CUDA-graph reading of measure(), on a made-up allocator snapshot: only segments of a
-    private pool on the measured device count, and a gradient counts as pooled when its storage
-    starts inside one of them."""
-    inside, outside = torch.zeros(256), torch.zeros(64)
-    at = inside.untyped_storage().data_ptr()
+    private pool on the measured device count, and a gradient counts as unseen when its storage
+    lies in one of them outside every block the allocator counts as allocated (a recording's
+    gradient, in such a block, is counted by the allocator already)."""
+    inside, recorded, outside = torch.zeros(256), torch.zeros(128), torch.zeros(64)
+    at, rec = inside.untyped_storage().data_ptr(), recorded.untyped_storage().data_ptr()
     segments = [
-        {"device": 0, "address": at, "total_size": inside.nbytes, "segment_pool_id": (0, 7)},  # a graph pool
+        {"device": 0, "address": at, "total_size": inside.nbytes, "segment_pool_id": (0, 7),
+         "blocks": [{"address": at, "size": inside.nbytes, "state": "inactive"}]},  # a graph pool, a replay's gradient
+        {"device": 0, "address": rec, "total_size": recorded.nbytes, "segment_pool_id": (0, 7),
+         "blocks": [{"address": rec, "size": recorded.nbytes, "state": "active_allocated"}]},  # a recording's
         {"device": 0, "address": outside.untyped_storage().data_ptr(), "total_size": 2048,
          "segment_pool_id": (0, 0)},  # the default pool
         {"device": 1, "address": outside.untyped_storage().data_ptr(), "total_size": 512,
          "segment_pool_id": (0, 7)},  # another GPU's graph pool
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    pool, pooled = step._graph_pools(torch.device("cuda", 0), [inside, None, outside])
-    assert (pool, pooled) == (inside.nbytes, inside.nbytes)
+    pool, unseen = step._graph_pools(torch.device("cuda", 0), [inside, None, recorded, outside])
+    assert (pool, unseen) == (inside.nbytes + recorded.nbytes, inside.nbytes)

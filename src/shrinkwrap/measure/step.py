@@ -76,18 +76,18 @@ class Profile:
     (graphs compiled after warm-up: a timed iteration that recompiles is not a steady state)
     come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
     (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
-    again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set): the
-    model's backward runs as a CUDA graph (``mode='reduce-overhead'``; seen by its gradients lying
-    in a private memory pool, whose reserved bytes ``graph_pool`` holds). A replayed graph writes
-    into its pool without the allocator's counters seeing it, so the steady step's own readings
-    would show almost nothing. Where a warm-up iteration recorded the graphs of functions first
-    run in this measure (``graph_recorded``: a model compiled fresh, as :func:`measure` and
-    autoplan's rows get it), the steady figures are that iteration's, less what it began with, on
-    the steady step's static bytes: a recording makes its allocations in the open, and every
-    replay reuses exactly those addresses. Otherwise (graphs recorded before :func:`measure` was
-    called, where a later re-recording of one function would read low) the steady figures count
-    every private pool's reserved bytes as in use throughout the step: an upper bound, other
-    graphed models of the process included. The gradients in the pool count as static either way.
+    again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set, the
+    private pools' reserved bytes): the model runs CUDA graphs (``mode='reduce-overhead'``). A
+    replayed graph writes into its pool without the allocator's counters seeing it, so a steady
+    step that replays them would read almost nothing. Where an iteration of this measure recorded
+    every graph it ran (``graph_recorded``: a model compiled fresh, as :func:`measure` and
+    autoplan's rows get it), its allocations were all in the open and every replay reuses exactly
+    those addresses: the steady figures are that iteration's, less what it began with, on the
+    steady step's static bytes. Otherwise (graphs recorded before :func:`measure` was called; an
+    iteration that re-recorded one function and replayed the rest would read low) the steady
+    figures count every private pool's reserved bytes as in use throughout the step: an upper
+    bound, other graphed models of the process included. Gradients a replay wrote into a pool
+    count as static either way.
 
     Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
     ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
@@ -503,31 +503,31 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     graphs_start, breaks_start = counts()
     _clean(device)
     first: list[Phase] = []
-    recording: list[Phase] = []  # the iteration that recorded CUDA graphs, less what it began with
-    trees = _graph_trees(device) if compiled and cuda else None
+    trees = (lambda: _graph_trees(device)) if compiled and cuda else (lambda: None)
 
-    def read(phases: list[Phase]) -> None:  # one CUDA iteration, read phase by phase
-        nonlocal recording
-        before, start = _graph_trees(device) if trees else None, torch.cuda.memory_allocated(device)
+    def read(phases: list[Phase]) -> list[Phase]:
+        """One CUDA iteration, its phases added to ``phases``. Where it recorded every CUDA graph
+        it ran (all its allocations in the open), returns them less what it began with."""
+        before, start = trees(), torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        phases.extend(_phases(step, device))
-        after = _graph_trees(device) if before else None
-        # Only graphs of functions new in this measure are recorded whole in one iteration (their
-        # warm-up came first); a function's re-recording replays the rest unseen, reading low.
-        if after and after[1] != before[1] and after[0] > trees[0]:
-            rebased = [Phase(p.name, p.allocated - start, p.peak - start) for p in phases]
-            recording = max(recording, rebased, key=lambda ps: max((p.peak for p in ps), default=0))
+        ran = _phases(step, device)
+        phases.extend(ran)
+        return [Phase(p.name, p.allocated - start, p.peak - start) for p in ran] if _recorded_whole(before, trees()) else []
 
-    first_ms = _timed(lambda: read(first) if cuda else step(), device, 1)[0]
+    recordings: list[list[Phase]] = []
+    first_ms = _timed(lambda: recordings.append(read(first)) if cuda else step(), device, 1)[0]
     for _ in range(options.warmup - 1):
-        read([]) if compiled and cuda else step()
+        recordings.append(read([])) if compiled and cuda else step()
     graphs_warm, _ = counts()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
-    steady = _phases(step, device) if cuda else []
-    pool, pooled_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
-    if pooled_grads:  # its backward wrote them there: a graph it replays
-        static += pooled_grads
+    steady: list[Phase] = []
+    steady_recorded = bool(read(steady)) if cuda else False
+    recording = max(recordings, key=lambda ps: max((p.peak for p in ps), default=0), default=[])
+    pool, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
+    graphed = steady_recorded or bool(recording) or bool(unseen_grads)
+    if graphed and not steady_recorded:  # its steady step replayed graphs, whose memory the counters miss
+        static += unseen_grads  # gradients a replay wrote: in use, and not counted
         steady = ([Phase(p.name, p.allocated + static, p.peak + static) for p in recording] if recording
                   else [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady])
     _transfers(model, reset=True)
@@ -568,8 +568,8 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         first_ms=first_ms,
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
-        graph_pool=pool if pooled_grads else None,
-        graph_recorded=bool(pooled_grads and recording),
+        graph_pool=pool if graphed else None,
+        graph_recorded=steady_recorded or bool(recording),
     )
 
 
@@ -678,32 +678,58 @@ def is_compiled(model: nn.Module) -> bool:
 
 def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
     """Bytes reserved on ``device`` in private memory pools (CUDA graphs'), and the bytes of
-    ``grads`` whose storage (a DTensor's: this rank's shard) lies in them."""
+    ``grads`` whose storage (a DTensor's: this rank's shard) lies in them outside every block the
+    allocator counts as allocated: written by a replayed graph, unseen by its counters (one a
+    recording made is counted)."""
     index = torch.cuda.current_device() if device.index is None else device.index
-    spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
-             if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
-    pooled = [g for g in grads if g is not None and any(a <= local(g).untyped_storage().data_ptr() < b for a, b in spans)]
-    return sum(b - a for a, b in spans), _bytes(pooled)
+    segments = [s for s in torch.cuda.memory_snapshot()
+                if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    counted = [(b["address"], b["address"] + b["size"]) for s in segments for b in s.get("blocks", ())
+               if b.get("state") == "active_allocated" and "address" in b]
+
+    def unseen(g: torch.Tensor) -> bool:
+        at = local(g).untyped_storage().data_ptr()
+        return (any(s["address"] <= at < s["address"] + s["total_size"] for s in segments)
+                and not any(a <= at < b for a, b in counted))
+
+    return sum(s["total_size"] for s in segments), _bytes(g for g in grads if g is not None and unseen(g))
 
 
-def _graph_trees(device: torch.device) -> tuple[int, int] | None:
-    """What ``torch.compile``'s CUDA graph trees hold for ``device`` in this thread: the compiled
-    functions they know, and the graphs recorded (each node of a tree is one recording). None
-    where this torch's trees cannot say."""
+def _graph_trees(device: torch.device) -> tuple[frozenset[int], tuple[int, ...]] | None:
+    """The nodes of ``torch.compile``'s CUDA graph trees for ``device`` in this thread (each one
+    recorded graph), and those of the current path (the graphs run since the generation began,
+    last first: the tree clears it only when the next one starts), by identity. None where this
+    torch's trees cannot say."""
     try:
         from torch._inductor import cudagraph_trees
 
         index = torch.cuda.current_device() if device.index is None else device.index
         manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
         if manager is None:
-            return 0, 0
-        nodes, count = [n for ns in manager.roots.values() for n in ns], 0
+            return frozenset(), ()
+        nodes, seen = [n for ns in manager.roots.values() for n in ns], set()
         while nodes:
-            count += 1
-            nodes.extend(c for cs in nodes.pop().children.values() for c in cs)
-        return len(manager.ids_to_funcs), count
+            node = nodes.pop()
+            seen.add(id(node))
+            nodes.extend(c for cs in node.children.values() for c in cs)
+        path, node = [], manager.current_node
+        while node is not None:
+            path.append(id(node))
+            node = node.parent
+        return frozenset(seen), tuple(path)
     except Exception:  # noqa: BLE001 - private structures of torch: without them, the upper bound
         return None
+
+
+def _recorded_whole(before: tuple[frozenset[int], tuple[int, ...]] | None,
+                    after: tuple[frozenset[int], tuple[int, ...]] | None) -> bool:
+    """Whether the iteration between two readings of :func:`_graph_trees` recorded every graph it
+    ran: each node on the path it ended on is new since ``before``. One that replayed a graph
+    (a re-recording of one function beside others replayed) or ran none is not; a warm-up, whose
+    path is not the trees' recorded nodes, is not either."""
+    if before is None or after is None or not after[1]:
+        return False
+    return set(after[1]) <= after[0] - before[0]
 
 
 def _dynamo_counts() -> tuple[int, int]:
