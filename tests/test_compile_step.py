@@ -334,7 +334,7 @@ def test_measure_counts_the_memory_cuda_graphs_keep():
     assert "recorded them" in str(g1) and "upper bound" in str(g2)
 
 
-def test_graph_trees_reads_every_node_and_the_current_path(monkeypatch):
+def test_graph_trees_counts_every_node_of_the_cuda_graph_trees(monkeypatch):
     from types import SimpleNamespace
 
     from torch._inductor import cudagraph_trees
@@ -342,34 +342,48 @@ def test_graph_trees_reads_every_node_and_the_current_path(monkeypatch):
     from shrinkwrap.measure.step import _graph_trees
 
     def node(*children):
-        n = SimpleNamespace(children={"f": list(children)} if children else {}, parent=None)
-        for c in children:
-            c.parent = n
-        return n
+        return SimpleNamespace(children={"f": list(children)} if children else {})
 
-    leaf, mid, other = node(), node(), node()
-    root = node(mid, node(leaf))
-    manager = SimpleNamespace(roots={"fwd": [root], "other": [other]}, current_node=leaf)
+    manager = SimpleNamespace(roots={"fwd": [node(node(), node(node()))], "other": [node()]})
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: manager)
-    nodes, path = _graph_trees(torch.device("cuda", 0))
-    assert len(nodes) == 5 and {id(root), id(mid), id(leaf), id(other)} <= nodes
-    assert path[0] == id(leaf) and path[-1] == id(root) and len(path) == 3  # last run first, up to the root
+    assert _graph_trees(torch.device("cuda", 0)) == 5
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: None)
-    assert _graph_trees(torch.device("cuda", 0)) == (frozenset(), ())  # nothing compiled with graphs yet
+    assert _graph_trees(torch.device("cuda", 0)) == 0  # nothing compiled with graphs yet
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: object())
     assert _graph_trees(torch.device("cuda", 0)) is None  # a torch whose trees say nothing: the upper bound
 
 
-def test_an_iteration_is_read_as_a_recording_only_where_it_recorded_every_graph_it_ran():
+def test_an_iteration_is_read_as_a_recording_only_where_it_recorded_and_replayed_nothing():
     from shrinkwrap.measure.step import _recorded_whole
 
-    old = frozenset({1, 2})
-    assert _recorded_whole((old, ()), (old | {3, 4}, (4, 3)))  # forward and backward both recorded
-    assert not _recorded_whole((old, ()), (old | {4}, (4, 2)))  # the backward re-recorded, the forward replayed
-    assert not _recorded_whole((old, (2, 1)), (old, (2, 1)))  # replayed only
-    assert not _recorded_whole((old, ()), (old, (99,)))  # a warm-up: its node is not a recorded one
-    assert not _recorded_whole((old, ()), (old | {3}, ()))  # no path to read
-    assert not _recorded_whole(None, (old | {3}, (3,))) and not _recorded_whole((old, ()), None)
+    assert _recorded_whole(2, 4, 2)  # forward and backward recorded (each replayed once as it is)
+    assert not _recorded_whole(2, 3, 2)  # the backward re-recorded, the forward replayed unseen
+    assert not _recorded_whole(4, 4, 2)  # replayed only
+    assert not _recorded_whole(4, 4, 0)  # a warm-up, or no graphs at all
+    assert not _recorded_whole(2, 4, 0)  # recordings that never ran: a torch that works otherwise
+    assert not _recorded_whole(None, 4, 2) and not _recorded_whole(2, None, 2)
+
+
+def test_replays_counts_cuda_graph_replays_and_puts_replay_back(monkeypatch):
+    from shrinkwrap.measure.step import _replays
+
+    class Base:
+        def replay(self):
+            self.replayed = True
+
+    class Graph(Base):
+        pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    with _replays() as count:
+        g = Graph()
+        g.replay(), g.replay()
+    assert count == [2] and g.replayed
+    assert "replay" not in vars(Graph) and Graph.replay is Base.replay  # inherited again, as it was
+    Graph.replay = own = lambda self: None
+    with _replays() as count:
+        Graph().replay()
+    assert count == [1] and Graph.replay is own
 
 
 def test_regional_compile_of_hugging_face_bert_trains_as_eager_in_float64():

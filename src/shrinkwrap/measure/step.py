@@ -510,9 +510,11 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         it ran (all its allocations in the open), returns them less what it began with."""
         before, start = trees(), torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        ran = _phases(step, device)
+        with _replays() if before is not None else contextlib.nullcontext([0]) as replays:
+            ran = _phases(step, device)
         phases.extend(ran)
-        return [Phase(p.name, p.allocated - start, p.peak - start) for p in ran] if _recorded_whole(before, trees()) else []
+        whole = _recorded_whole(before, trees(), replays[0])
+        return [Phase(p.name, p.allocated - start, p.peak - start) for p in ran] if whole else []
 
     recordings: list[list[Phase]] = []
     first_ms = _timed(lambda: recordings.append(read(first)) if cuda else step(), device, 1)[0]
@@ -695,41 +697,53 @@ def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tupl
     return sum(s["total_size"] for s in segments), _bytes(g for g in grads if g is not None and unseen(g))
 
 
-def _graph_trees(device: torch.device) -> tuple[frozenset[int], tuple[int, ...]] | None:
-    """The nodes of ``torch.compile``'s CUDA graph trees for ``device`` in this thread (each one
-    recorded graph), and those of the current path (the graphs run since the generation began,
-    last first: the tree clears it only when the next one starts), by identity. None where this
-    torch's trees cannot say."""
+def _graph_trees(device: torch.device) -> int | None:
+    """How many graphs ``torch.compile``'s CUDA graph trees have recorded for ``device`` in this
+    thread (each node of a tree is one recording); None where this torch's trees cannot say."""
     try:
         from torch._inductor import cudagraph_trees
 
         index = torch.cuda.current_device() if device.index is None else device.index
         manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
-        if manager is None:
-            return frozenset(), ()
-        nodes, seen = [n for ns in manager.roots.values() for n in ns], set()
+        nodes, count = [n for ns in manager.roots.values() for n in ns] if manager is not None else [], 0
         while nodes:
-            node = nodes.pop()
-            seen.add(id(node))
-            nodes.extend(c for cs in node.children.values() for c in cs)
-        path, node = [], manager.current_node
-        while node is not None:
-            path.append(id(node))
-            node = node.parent
-        return frozenset(seen), tuple(path)
+            count += 1
+            nodes.extend(c for cs in nodes.pop().children.values() for c in cs)
+        return count
     except Exception:  # noqa: BLE001 - private structures of torch: without them, the upper bound
         return None
 
 
-def _recorded_whole(before: tuple[frozenset[int], tuple[int, ...]] | None,
-                    after: tuple[frozenset[int], tuple[int, ...]] | None) -> bool:
-    """Whether the iteration between two readings of :func:`_graph_trees` recorded every graph it
-    ran: each node on the path it ended on is new since ``before``. One that replayed a graph
-    (a re-recording of one function beside others replayed) or ran none is not; a warm-up, whose
-    path is not the trees' recorded nodes, is not either."""
-    if before is None or after is None or not after[1]:
-        return False
-    return set(after[1]) <= after[0] - before[0]
+@contextlib.contextmanager
+def _replays() -> Iterator[list[int]]:
+    """Count CUDA graph replays (``torch.cuda.CUDAGraph.replay``, which graph trees call for each)
+    while open, in the one-element list it gives. The trees' own structures cannot tell which
+    graphs an iteration replayed: the path they keep can begin anew within one iteration."""
+    cls = torch.cuda.CUDAGraph
+    own = "replay" in vars(cls)
+    original = cls.replay
+    count = [0]
+
+    def replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(graph, *args, **kwargs)
+
+    cls.replay = replay
+    try:
+        yield count
+    finally:
+        if own:
+            cls.replay = original
+        else:
+            del cls.replay
+
+
+def _recorded_whole(before: int | None, after: int | None, replays: int) -> bool:
+    """Whether an iteration, between two readings of :func:`_graph_trees`, recorded every CUDA
+    graph it ran: graph trees replay a graph once as they record it (capture computes nothing),
+    so its replays are exactly its recordings, one at least. One that re-recorded one function
+    and replayed the others would read low: their memory unseen."""
+    return before is not None and after is not None and after > before and replays == after - before
 
 
 def _dynamo_counts() -> tuple[int, int]:
