@@ -79,15 +79,15 @@ class Profile:
     again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set, the
     private pools' reserved bytes): the model runs CUDA graphs (``mode='reduce-overhead'``). A
     replayed graph writes into its pool without the allocator's counters seeing it, so a steady
-    step that replays them would read almost nothing. Where an iteration of this measure recorded
-    every graph it ran (``graph_recorded``: a model compiled fresh, as :func:`measure` and
-    autoplan's rows get it), its allocations were all in the open and every replay reuses exactly
-    those addresses: the steady figures are that iteration's, less what it began with, on the
-    steady step's static bytes. Otherwise (graphs recorded before :func:`measure` was called; an
-    iteration that re-recorded one function and replayed the rest would read low) the steady
-    figures count every private pool's reserved bytes as in use throughout the step: an upper
-    bound, other graphed models of the process included. Gradients a replay wrote into a pool
-    count as static either way.
+    step that replays them would read almost nothing. Where a warm-up iteration after the first
+    recorded, whole, every graph the steady step replays (``graph_recorded``: a model compiled
+    fresh, as :func:`measure` and autoplan's rows get it), its allocations were all in the open and
+    each replay reuses exactly those addresses: the steady figures are that iteration's, aligned
+    with the steady step's where both have freed their gradients. Otherwise (graphs recorded
+    before :func:`measure` was called, or in its first iteration; an iteration that re-recorded one
+    function and replayed the rest would read low) the steady figures count every private pool's
+    reserved bytes as in use throughout the step: an upper bound, other graphed models of the
+    process included. Gradients a replay wrote into a pool count as static either way.
 
     Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
     ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
@@ -505,33 +505,34 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     first: list[Phase] = []
     trees = (lambda: _graph_trees(device)) if compiled and cuda else (lambda: None)
 
-    def read(phases: list[Phase]) -> list[Phase]:
-        """One CUDA iteration, its phases added to ``phases``. Where it recorded every CUDA graph
-        it ran (all its allocations in the open), returns them less what it began with."""
-        before, start = trees(), torch.cuda.memory_allocated(device)
+    def read(phases: list[Phase]) -> tuple[list[int], bool]:
+        """One CUDA iteration, its phases added to ``phases``: the CUDA graphs it replayed (by
+        identity), and whether it recorded every one of them (its allocations all in the open)."""
+        before = trees()
         torch.cuda.reset_peak_memory_stats(device)
-        with _replays() if before is not None else contextlib.nullcontext([0]) as replays:
-            ran = _phases(step, device)
-        phases.extend(ran)
-        whole = _recorded_whole(before, trees(), replays[0])
-        return [Phase(p.name, p.allocated - start, p.peak - start) for p in ran] if whole else []
+        with _replays() if compiled else contextlib.nullcontext([]) as replayed:
+            phases.extend(_phases(step, device))
+        return replayed, _recorded_whole(before, trees(), replayed)
 
-    recordings: list[list[Phase]] = []
-    first_ms = _timed(lambda: recordings.append(read(first)) if cuda else step(), device, 1)[0]
+    first_ms = _timed(lambda: read(first) if cuda else step(), device, 1)[0]
+    warm: list[tuple[list[Phase], list[int], bool]] = []  # not the first: it compiles and makes the optimizer's state
     for _ in range(options.warmup - 1):
-        recordings.append(read([])) if compiled and cuda else step()
+        if compiled and cuda:
+            phases: list[Phase] = []
+            warm.append((phases, *read(phases)))
+        else:
+            step()
     graphs_warm, _ = counts()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     steady: list[Phase] = []
-    steady_recorded = bool(read(steady)) if cuda else False
-    recording = max(recordings, key=lambda ps: max((p.peak for p in ps), default=0), default=[])
-    pool, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
-    graphed = steady_recorded or bool(recording) or bool(unseen_grads)
-    if graphed and not steady_recorded:  # its steady step replayed graphs, whose memory the counters miss
+    replayed, steady_recorded = read(steady) if cuda else ([], False)
+    pool, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if replayed else (0, 0)
+    recorded = None
+    if replayed and not steady_recorded:  # the steady step replayed graphs, whose memory the counters miss
         static += unseen_grads  # gradients a replay wrote: in use, and not counted
-        steady = ([Phase(p.name, p.allocated + static, p.peak + static) for p in recording] if recording
-                  else [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady])
+        recorded = _as_recorded(steady, replayed, warm)
+        steady = recorded or [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
     _transfers(model, reset=True)
     times = _timed(step, device, options.iterations)
     transfers = {k: v / options.iterations for k, v in _transfers(model, reset=True).items() if v}
@@ -570,8 +571,8 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         first_ms=first_ms,
         recompiles=graphs - graphs_warm if compiled else None,
         graph_breaks=breaks - breaks_start if compiled else None,
-        graph_pool=pool if graphed else None,
-        graph_recorded=steady_recorded or bool(recording),
+        graph_pool=pool if replayed else None,
+        graph_recorded=steady_recorded or recorded is not None,
     )
 
 
@@ -689,12 +690,13 @@ def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tupl
     counted = [(b["address"], b["address"] + b["size"]) for s in segments for b in s.get("blocks", ())
                if b.get("state") == "active_allocated" and "address" in b]
 
-    def unseen(g: torch.Tensor) -> bool:
+    def within(g: torch.Tensor, spans: Iterable[tuple[int, int]]) -> bool:
         at = local(g).untyped_storage().data_ptr()
-        return (any(s["address"] <= at < s["address"] + s["total_size"] for s in segments)
-                and not any(a <= at < b for a, b in counted))
+        return any(a <= at < b for a, b in spans)
 
-    return sum(s["total_size"] for s in segments), _bytes(g for g in grads if g is not None and unseen(g))
+    pools = [(s["address"], s["address"] + s["total_size"]) for s in segments]
+    return sum(b - a for a, b in pools), _bytes(g for g in grads if g is not None and within(g, pools)
+                                                and not within(g, counted))
 
 
 def _graph_trees(device: torch.device) -> int | None:
@@ -716,21 +718,21 @@ def _graph_trees(device: torch.device) -> int | None:
 
 @contextlib.contextmanager
 def _replays() -> Iterator[list[int]]:
-    """Count CUDA graph replays (``torch.cuda.CUDAGraph.replay``, which graph trees call for each)
-    while open, in the one-element list it gives. The trees' own structures cannot tell which
-    graphs an iteration replayed: the path they keep can begin anew within one iteration."""
+    """List the CUDA graphs replayed (``torch.cuda.CUDAGraph.replay``, through which graph trees
+    run each) while open, by identity, in the list it gives. The trees' own structures cannot
+    tell which graphs an iteration ran: the path they keep can begin anew within one iteration."""
     cls = torch.cuda.CUDAGraph
     own = "replay" in vars(cls)
     original = cls.replay
-    count = [0]
+    replayed: list[int] = []
 
     def replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
+        replayed.append(id(graph))
         return original(graph, *args, **kwargs)
 
     cls.replay = replay
     try:
-        yield count
+        yield replayed
     finally:
         if own:
             cls.replay = original
@@ -738,12 +740,27 @@ def _replays() -> Iterator[list[int]]:
             del cls.replay
 
 
-def _recorded_whole(before: int | None, after: int | None, replays: int) -> bool:
+def _as_recorded(steady: list[Phase], replayed: list[int],
+                 warm: list[tuple[list[Phase], list[int], bool]]) -> list[Phase] | None:
+    """The steady step's phases as a warm-up iteration that recorded, whole, every CUDA graph the
+    steady step replayed (``replayed``) made them in the open: that iteration's phases, aligned
+    with the steady step's at zero_grad, where both have freed their gradients and hold the same
+    state. ``warm`` holds each warm-up's phases, the graphs it replayed and whether it recorded
+    them whole. None where no warm-up did."""
+    for phases, graphs, whole in warm:
+        if whole and set(replayed) <= set(graphs):
+            shift = steady[0].allocated - phases[0].allocated
+            return [Phase(p.name, p.allocated + shift, p.peak + shift) for p in phases]
+    return None
+
+
+def _recorded_whole(before: int | None, after: int | None, replayed: list[int]) -> bool:
     """Whether an iteration, between two readings of :func:`_graph_trees`, recorded every CUDA
     graph it ran: graph trees replay a graph once as they record it (capture computes nothing),
-    so its replays are exactly its recordings, one at least. One that re-recorded one function
-    and replayed the others would read low: their memory unseen."""
-    return before is not None and after is not None and after > before and replays == after - before
+    so its replays are exactly its recordings, each once, one at least. One that re-recorded one
+    function and replayed the others would read low: their memory unseen."""
+    return (before is not None and after is not None and after > before
+            and len(replayed) == len(set(replayed)) == after - before)
 
 
 def _dynamo_counts() -> tuple[int, int]:
