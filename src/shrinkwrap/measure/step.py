@@ -505,9 +505,9 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     first: list[Phase] = []
     trees = (lambda: _graph_trees(device)) if compiled and cuda else (lambda: None)
 
-    def read(phases: list[Phase]) -> tuple[list[int], bool]:
-        """One CUDA iteration, its phases added to ``phases``: the CUDA graphs it replayed (by
-        identity), and whether it recorded every one of them (its allocations all in the open)."""
+    def read(phases: list[Phase]) -> tuple[list[Any], bool]:
+        """One CUDA iteration, its phases added to ``phases``: the CUDA graphs it replayed, and
+        whether it recorded every one of them (its allocations all in the open)."""
         before = trees()
         torch.cuda.reset_peak_memory_stats(device)
         with _replays() if compiled else contextlib.nullcontext([]) as replayed:
@@ -515,7 +515,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         return replayed, _recorded_whole(before, trees(), replayed)
 
     first_ms = _timed(lambda: read(first) if cuda else step(), device, 1)[0]
-    warm: list[tuple[list[Phase], list[int], bool]] = []  # not the first: it compiles and makes the optimizer's state
+    warm: list[tuple[list[Phase], list[Any], bool]] = []  # not the first: it compiles and makes the optimizer's state
     for _ in range(options.warmup - 1):
         if compiled and cuda:
             phases: list[Phase] = []
@@ -525,13 +525,16 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     graphs_warm, _ = counts()
     _clean(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
+    # Read before the steady step's zero_grad: a recording's gradients, which the counters hold in
+    # static already, are replaced then by ones a replay writes, unseen.
+    _, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
     steady: list[Phase] = []
     replayed, steady_recorded = read(steady) if cuda else ([], False)
-    pool, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if replayed else (0, 0)
+    pool = _graph_pools(device, [])[0] if replayed else 0  # after it: a steady step may record (warmup=1)
     recorded = None
     if replayed and not steady_recorded:  # the steady step replayed graphs, whose memory the counters miss
         static += unseen_grads  # gradients a replay wrote: in use, and not counted
-        recorded = _as_recorded(steady, replayed, warm)
+        recorded = _as_recorded(steady, replayed, warm, unseen_grads)
         steady = recorded or [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
     _transfers(model, reset=True)
     times = _timed(step, device, options.iterations)
@@ -717,17 +720,17 @@ def _graph_trees(device: torch.device) -> int | None:
 
 
 @contextlib.contextmanager
-def _replays() -> Iterator[list[int]]:
+def _replays() -> Iterator[list[Any]]:
     """List the CUDA graphs replayed (``torch.cuda.CUDAGraph.replay``, through which graph trees
-    run each) while open, by identity, in the list it gives. The trees' own structures cannot
+    run each) while open, in the list it gives. The trees' own structures cannot
     tell which graphs an iteration ran: the path they keep can begin anew within one iteration."""
     cls = torch.cuda.CUDAGraph
     own = "replay" in vars(cls)
     original = cls.replay
-    replayed: list[int] = []
+    replayed: list[Any] = []  # the graphs themselves: an id could be reused by another
 
     def replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
-        replayed.append(id(graph))
+        replayed.append(graph)
         return original(graph, *args, **kwargs)
 
     cls.replay = replay
@@ -740,21 +743,26 @@ def _replays() -> Iterator[list[int]]:
             del cls.replay
 
 
-def _as_recorded(steady: list[Phase], replayed: list[int],
-                 warm: list[tuple[list[Phase], list[int], bool]]) -> list[Phase] | None:
+def _as_recorded(steady: list[Phase], replayed: list[Any], warm: list[tuple[list[Phase], list[Any], bool]],
+                 unseen_grads: int) -> list[Phase] | None:
     """The steady step's phases as a warm-up iteration that recorded, whole, every CUDA graph the
     steady step replayed (``replayed``) made them in the open: that iteration's phases, aligned
     with the steady step's at zero_grad, where both have freed their gradients and hold the same
-    state. ``warm`` holds each warm-up's phases, the graphs it replayed and whether it recorded
-    them whole. None where no warm-up did."""
+    state. No phase reads less than the steady step's own counters, with the ``unseen_grads`` a
+    replay wrote from backward on (a phase that differs between iterations, such as a first
+    optimizer step, or leftovers freed between them, would otherwise read low). ``warm`` holds
+    each warm-up's phases, the graphs it replayed and whether it recorded them whole. None where
+    no warm-up did."""
     for phases, graphs, whole in warm:
         if whole and set(replayed) <= set(graphs):
             shift = steady[0].allocated - phases[0].allocated
-            return [Phase(p.name, p.allocated + shift, p.peak + shift) for p in phases]
+            grads = [unseen_grads if p.name in ("backward", "step") else 0 for p in steady]
+            return [Phase(r.name, max(r.allocated + shift, s.allocated + g), max(r.peak + shift, s.peak + g))
+                    for r, s, g in zip(phases, steady, grads)]
     return None
 
 
-def _recorded_whole(before: int | None, after: int | None, replayed: list[int]) -> bool:
+def _recorded_whole(before: int | None, after: int | None, replayed: list[Any]) -> bool:
     """Whether an iteration, between two readings of :func:`_graph_trees`, recorded every CUDA
     graph it ran: graph trees replay a graph once as they record it (capture computes nothing),
     so its replays are exactly its recordings, each once, one at least. One that re-recorded one
