@@ -535,10 +535,12 @@ class _Search:
           added, since the prices may have overstated the cost; the smallest plan that fitted
           is then the one measured fresh.
 
-        Costs are only raised and what was dropped is not added back, so rounds cannot swing
-        between two plans; a plan is measured once."""
+        Costs are only raised, what was dropped is not added back, and a plan is not grown back
+        into a set that was measured over the time limit, so rounds cannot swing between two
+        plans; a plan is measured once."""
         tried: list[Row] = []
         dropped: list[Effect] = []
+        over: list[set[int]] = []  # the candidate sets of plans measured over the time limit
         grow = self.target is None and not self.by_memory and self.max_t is not None
         start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
         for r in range(rounds):
@@ -553,6 +555,8 @@ class _Search:
             # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
+            if any(slow <= {id(e.candidate) for e in chosen + nxt} for slow in over):
+                nxt = []  # back into a set already over the time limit (more recompute only adds time)
             if not nxt and (self.fits(row) or self.by_memory):
                 row = self.measure_chosen(plan)
             row.role, row.round = "chosen", r + 1
@@ -563,6 +567,7 @@ class _Search:
             if self.fits(row) or self.by_memory:
                 break
             if row.profile is not None and not self.fits_time(row) and chosen:
+                over.append({id(e.candidate) for e in chosen})
                 extra = [e for e in chosen if e not in in_base]
                 excess = self.measured_t(row) - start_t - sum(e.cost for e in extra)
                 if extra and excess > 0:
