@@ -5,6 +5,7 @@ import torch.nn as nn
 import shrinkwrap as sw
 from shrinkwrap.autoplan import candidates, parse_budget, scale_batch
 from shrinkwrap.select import block_groups
+from toymodels import resnet64
 
 
 class Naive(nn.Module):
@@ -490,6 +491,47 @@ def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best(step):
     best = min(tried, key=lambda r: (report.value(r), r.profile.step_ms))
     assert plan == best.plan
     assert not [r for r in sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)[1].rows if r.role == "compiled"]
+
+
+def test_the_budgeted_form_keeps_a_stem_chains_convolution_as_a_region():
+    # The partitioner recomputes the stem's normalisation, activation and pooling itself, never its
+    # convolution, whose output the normalisation keeps: the budgeted form keeps that one region.
+    from shrinkwrap.autoplan import _budgeted
+
+    step = sw.Plan.parse("compile(backend='aot_eager_decomp_partition')")
+    plan = sw.Plan.parse(r"checkpoint('conv1|bn1|relu|maxpool', chain=True), checkpoint(r'layer1\.\d+'), "
+                         "channels_last(), autocast(torch.bfloat16)")
+    assert str(_budgeted(plan, step, resnet64())) == (
+        "checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), "
+        "compile(memory_budget=0.6, backend='aot_eager_decomp_partition')")
+    no_chain = sw.Plan.parse(r"checkpoint(r'layer1\.\d+'), autocast(torch.bfloat16)")
+    assert str(_budgeted(no_chain, step, resnet64())) == \
+        "autocast(torch.bfloat16), compile(memory_budget=0.6, backend='aot_eager_decomp_partition')"
+
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    budget = "compile(memory_budget=0.6, backend='aot_eager_decomp_partition')"
+    saved, grads = {}, {}
+    for text in (budget, f"checkpoint('conv1'), {budget}"):
+        torch._dynamo.reset()
+        model = sw.apply(resnet64(), text)
+        saved[text] = sw.saved_tensor_bytes(lambda: model(x).sum())
+        model(x).sum().backward()
+        grads[text] = [p.grad for p in model.parameters()]
+    conv1_out = 4 * 8 * 32 * 32 * 8  # bytes of the stem convolution's float64 output
+    assert saved[f"checkpoint('conv1'), {budget}"] <= saved[budget] - conv1_out / 2
+    ref = resnet64()
+    ref(x).sum().backward()
+    for g in grads.values():
+        assert all(torch.allclose(a, p.grad) for a, p in zip(g, ref.parameters()))
+
+
+def test_the_compile_stage_tries_a_stems_convolution_under_the_partitioners_budget():
+    step = "compile(backend='aot_eager_decomp_partition')"
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    _, report = sw.autoplan(resnet64, x, max_slowdown=100.0, compile=step, **FAST)
+    budgeted = [r for r in report.rows if r.role == "compiled" and r.plan.steps[-1].memory_budget is not None]
+    assert [str(r.plan.steps[0]) for r in budgeted if r.plan.steps[0].recomputes] == ["checkpoint('conv1')"]
+    assert all(r.profile is not None for r in budgeted)
 
 
 def test_the_compile_stage_also_leaves_the_recompute_to_the_partitioners_memory_budget():

@@ -630,7 +630,13 @@ class _Search:
         row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
-        plans = [p + step for p in (final, smallest)] + [p for p in [_budgeted(final, step)] if p is not None]
+        # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
+        # convolution): otherwise it differs from the verified plan's by whole-model steps at
+        # most, and each plan here is a compilation (resnet152's take minutes).
+        kept = _budgeted(smallest, step, self.model)
+        plans = [p + step for p in (final, smallest)] + [_budgeted(final, step, self.model)] + [
+            kept if kept is not None and any(s.recomputes for s in kept.steps) else None]
+        plans = [p for p in plans if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         rows = []
         for i, plan in enumerate(plans):
@@ -713,11 +719,13 @@ def _without(effects: list[Effect], exclude: list[Effect]) -> list[Effect]:
     return [e for e in effects if id(e.candidate) not in gone]
 
 
-def _budgeted(plan: Plan, step: Plan) -> Plan | None:
+def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     """``plan`` without the steps that recompute (checkpoint, swish, bn_act, swiglu), compiled with
     the partitioner's memory budget, which then chooses the recompute itself; ``None`` where the
     compile step sets a budget already, its backend is not known to partition by one, or it
-    compiles some modules only (``pattern``: outside them nothing would recompute).
+    compiles some modules only (``pattern``: outside them nothing would recompute). A step keeps
+    what its :meth:`~shrinkwrap.step.Step.under_budget` says: a ResNet stem's chain region keeps
+    its convolution, which the partitioner never recomputes.
 
     On an H100 (torch 2.11, 2026-11-24) ``autocast(bf16), compile(memory_budget=0.6)`` kept 1830
     MiB of efficientnet_b0 @128's activations at 0.63x fp32 eager's step time, where autoplan's
@@ -728,7 +736,8 @@ def _budgeted(plan: Plan, step: Plan) -> Plan | None:
     if compile_step.memory_budget is not None or compile_step.backend not in PARTITIONING or compile_step.pattern:
         return None
     budgeted = dataclasses.replace(compile_step, memory_budget=PARTITIONER_BUDGET)
-    return Plan([s for s in plan.steps if not s.recomputes] + [budgeted])
+    kept = [s.under_budget(model) for s in plan.steps]
+    return Plan([s for s in kept if s is not None] + [budgeted])
 
 
 def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Effect], base_steps: tuple,

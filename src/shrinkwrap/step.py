@@ -126,6 +126,12 @@ class Step:
         """Why this step cannot share a plan with ``other`` (None if it can)."""
         return None
 
+    def under_budget(self, model: nn.Module) -> "Step | None":
+        """What of this step a plan keeps where ``compile(memory_budget=...)`` lets the compiler's
+        partitioner choose the recompute (autoplan's budgeted form): this step, unless it
+        ``recomputes``; then nothing, the partitioner's choice standing for it."""
+        return None if self.recomputes else self
+
     @classmethod
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
         """What autoplan may try of this step on ``model`` (nothing by default)."""

