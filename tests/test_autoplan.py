@@ -534,6 +534,43 @@ def test_the_compile_stage_tries_a_stems_convolution_under_the_partitioners_budg
     assert all(r.profile is not None for r in budgeted)
 
 
+def test_the_compile_stage_measures_the_smallest_sets_budgeted_form_where_it_keeps_a_region():
+    import dataclasses
+
+    from shrinkwrap.autoplan import Effect, _Search
+    from shrinkwrap.report import Row
+
+    model = resnet64()
+    by_cover = {c.covers: c for c in candidates(model, device="cpu")}
+    stem, layer1 = by_cover[("conv1", "bn1", "relu", "maxpool")], by_cover[("layer1",)]
+    rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})  # verified: no stem region
+    measured = []
+
+    class Search(_Search):
+        def measure_chosen(self, plan, isolate=True):
+            measured.append(str(plan))
+            return Row(plan, dataclasses.replace(rows[0].profile), role="chosen")
+
+    search = Search(None, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
+    step = sw.Plan.parse("compile(backend='aot_eager_decomp_partition')")
+    budget = "compile(memory_budget=0.6, backend='aot_eager_decomp_partition')"
+    search.compiled(rows, [Effect(stem, 100.0, 1.0), Effect(layer1, 100.0, 1.0)], 1000.0, 8.0, step)
+    assert [m for m in measured if "memory_budget" in m] == [budget, f"checkpoint('conv1'), {budget}"]
+    measured.clear()  # a smallest set without a chain: its budgeted form, which keeps no region, is not measured
+    (layout,) = [c for c in candidates(model, device="cpu") if str(c) == "channels_last()"]
+    search.compiled(rows, [Effect(layer1, 100.0, 1.0), Effect(layout, 100.0, 1.0)], 1000.0, 8.0, step)
+    assert [m for m in measured if "memory_budget" in m] == [budget]
+
+
+def test_sets_of_candidates_that_make_the_same_plan_cover_alike():
+    from shrinkwrap.autoplan import Effect, _covered
+
+    by_cover = {c.covers: c for c in candidates(mlp(), device="cpu", max_groups=2)}
+    chunk = [Effect(by_cover[("1.0", "1.1")], 1.0, 1.0)]
+    singles = [Effect(by_cover[("1.0",)], 1.0, 1.0), Effect(by_cover[("1.1",)], 1.0, 1.0)]
+    assert _covered(chunk) == _covered(singles) and _covered(singles[:1]) < _covered(chunk)
+
+
 def test_the_compile_stage_also_leaves_the_recompute_to_the_partitioners_memory_budget():
     step = "compile(backend='aot_eager_decomp_partition')"  # the min-cut partitioner, no C++ compiler
     cache: dict = {}

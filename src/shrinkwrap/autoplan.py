@@ -540,7 +540,7 @@ class _Search:
         plans; a plan is measured once."""
         tried: list[Row] = []
         dropped: list[Effect] = []
-        over: list[set[int]] = []  # the candidate sets of plans measured over the time limit
+        over: list[frozenset[str]] = []  # what the plans measured over the time limit covered (_covered)
         grow = self.target is None and not self.by_memory and self.max_t is not None
         start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
         for r in range(rounds):
@@ -555,7 +555,7 @@ class _Search:
             # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
-            if any(slow <= {id(e.candidate) for e in chosen + nxt} for slow in over):
+            if any(slow <= _covered(chosen + nxt) for slow in over):
                 nxt = []  # back into a set already over the time limit (more recompute only adds time)
             if not nxt and (self.fits(row) or self.by_memory):
                 row = self.measure_chosen(plan)
@@ -567,7 +567,7 @@ class _Search:
             if self.fits(row) or self.by_memory:
                 break
             if row.profile is not None and not self.fits_time(row) and chosen:
-                over.append({id(e.candidate) for e in chosen})
+                over.append(_covered(chosen))
                 extra = [e for e in chosen if e not in in_base]
                 excess = self.measured_t(row) - start_t - sum(e.cost for e in extra)
                 if extra and excess > 0:
@@ -623,7 +623,7 @@ class _Search:
                  progress: Progress | None = None) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
         each with ``step`` (a plan of one compile step) last, and the verified plan's budgeted form
-        (:func:`_budgeted`), measured as the verified plans are
+        (:func:`_budgeted`), and the smallest set's where it keeps a region, measured as the verified plans are
         (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
         anyway, and a fresh process would compile it a second time, cold (on an H100 that was
         most of autoplan's time: 114 of 149 s on resnet18). A plan that fails to compile is a
@@ -710,6 +710,13 @@ def _raised(effects: list[Effect], extra: list[Effect], excess: float) -> dict[i
         factor = 1 + excess / total
         return {id(e.candidate): dataclasses.replace(e, cost=e.cost * factor) for e in effects if e.priced_by_forward}
     return {id(e.candidate): dataclasses.replace(e, cost=e.cost + excess / len(extra)) for e in extra}
+
+
+def _covered(effects: list[Effect]) -> frozenset[str]:
+    """What a set of candidates does, by the modules each covers (a whole-model step by its text):
+    two sets alike here make the same plan, though their candidates differ (a chunk of two blocks,
+    or the two blocks alone)."""
+    return frozenset(n for e in effects for n in (e.candidate.covers or (str(e.candidate),)))
 
 
 def _without(effects: list[Effect], exclude: list[Effect]) -> list[Effect]:

@@ -703,7 +703,8 @@ class Checkpoint(Step):
 
     def under_budget(self, model: nn.Module) -> Step | None:
         """Under the partitioner's memory budget a chain keeps a region over its first module with
-        parameters (a ResNet stem's ``conv1``); other regions are left to the partitioner.
+        parameters (a ResNet stem's convolution ``conv1``), recomputed whole; other regions are
+        left to the partitioner.
 
         The partitioner recomputes cheap operators (normalisation, activation, pooling) but never
         a convolution or a matmul. A stem's convolution writes the model's largest activation,
@@ -721,7 +722,8 @@ class Checkpoint(Step):
             return None
         heads = [next(n for n in region if has_params(model.get_submodule(n)))
                  for region in self.targets(model).payload if any(has_params(model.get_submodule(n)) for n in region)]
-        return Checkpoint(pattern_for(model, heads), self.clone_inputs, save=self.save) if heads else None
+        # Not the chain's save=: with save=('conv',) a region over the convolution would keep its output.
+        return Checkpoint(pattern_for(model, heads), self.clone_inputs) if heads else None
 
     @classmethod
     def merge(cls, steps: list[Step], model: nn.Module) -> list[Step]:
