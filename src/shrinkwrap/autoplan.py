@@ -633,10 +633,11 @@ class _Search:
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
         # most, and each plan here is a compilation (resnet152's take minutes).
+        budgeted = [_budgeted(final, step, self.model)]
         kept = _budgeted(smallest, step, self.model)
-        plans = [p + step for p in (final, smallest)] + [_budgeted(final, step, self.model)] + [
-            kept if kept is not None and any(s.recomputes for s in kept.steps) else None]
-        plans = [p for p in plans if p is not None]
+        if kept is not None and any(s.recomputes for s in kept.steps):
+            budgeted.append(kept)
+        plans = [p + step for p in (final, smallest)] + [p for p in budgeted if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         rows = []
         for i, plan in enumerate(plans):

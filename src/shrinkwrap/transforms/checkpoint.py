@@ -720,8 +720,8 @@ class Checkpoint(Step):
         """
         if not self.chain:
             return None
-        heads = [next(n for n in region if has_params(model.get_submodule(n)))
-                 for region in self.targets(model).payload if any(has_params(model.get_submodule(n)) for n in region)]
+        heads = [[n for n in region if has_params(model.get_submodule(n))][:1] for region in self.targets(model).payload]
+        heads = [n for head in heads for n in head]
         # Not the chain's save=: with save=('conv',) a region over the convolution would keep its output.
         return Checkpoint(pattern_for(model, heads), self.clone_inputs) if heads else None
 
