@@ -13,15 +13,20 @@ would reach every later compilation in the process. torch's SAC planner (``auto_
 where ``--configs`` names it: it needs pulp and pwlf, and plans efficientnet_b0 for over three
 minutes.
 
+With ``--warm`` the compiled rows (all but autoplan's, whose compile stage compiles its own plans
+ahead) are first compiled side by side in processes of their own, before anything is timed; the
+rows then compile from inductor's on-disk caches (see ``warm``).
+
 A plan is *dominated* by a row with less activation memory, by more than 2%, and less step time,
 beyond the spread: that row's slowest round faster than the plan's fastest. The table names, for
-each autoplan row, the rows that dominate it.
+each autoplan row and each ``--plan`` row, the rows that dominate it.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +43,7 @@ from run import (ANCHORS, MODELS, _load, breaks, build, measure_same_run, ratio_
 
 SLOWDOWNS = {"auto_fast": 1.0, "auto_small": 1.5}
 PLANS: dict[str, str] = {}  # --plan NAME=TEXT: more rows, such as an answer autoplan gave in an earlier call
+WARM = False  # --warm: compile the compiled rows ahead, side by side (see warm)
 
 
 def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -49,9 +55,49 @@ def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
             and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
 
 
-def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+def makers_for(model_name: str, texts: dict[str, str], only: list[str] | None) -> dict[str, Callable[[], nn.Module]]:
+    """The rows' model makers: the anchors, then the plans of ``texts`` (name -> plan text)."""
     _, batch = _load(model_name, MODELS[model_name][1])
     blocks = MODELS[model_name][2]
+    makers: dict[str, Callable[[], nn.Module]] = {
+        name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks, batch), name)
+        for name in ANCHORS
+        if name != "compile_budget0.5" and (not name.startswith("auto_sac") or name in (only or ()))}
+    makers.update({name: functools.partial(lambda t: sw.apply(build(model_name), t), text)
+                   for name, text in texts.items()})
+    return {k: v for k, v in makers.items() if not only or k in only}
+
+
+def warm(model_name: str, names: list[str], at_once: int = 4) -> None:
+    """The compiled rows' first iterations, each in its own process, ``at_once`` side by side, before
+    anything is timed on this GPU: what they compile lands in inductor's on-disk caches, and this
+    process then compiles those rows from there (resnet152's took 97-119 s each cold, 6-8 s from
+    the caches, on an H100). Nothing of theirs is measured."""
+    started = time.perf_counter()
+    extra = [a for p in PLANS.items() for a in ("--plan", "=".join(p))]
+    waiting = list(names)
+    running: list[subprocess.Popen] = []
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            running.append(subprocess.Popen([sys.executable, __file__, "--model", model_name, "--warm-one",
+                                             waiting.pop(0), *extra]))
+        running[0].wait()
+        running = [r for r in running if r.poll() is None]
+    print(f"warmed {len(names)} compiled rows, {at_once} at a time, in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def warm_one(model_name: str, name: str) -> None:
+    _, batch = _load(model_name, MODELS[model_name][1])
+    model = makers_for(model_name, {**recipes(model_name), **PLANS}, [name])[name]()
+    sw.time_interleaved({name: model}, batch, sw.Options(device="cuda", warmup=2), rounds=1, per_round=1)
+
+
+def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+    _, batch = _load(model_name, MODELS[model_name][1])
+    if WARM:
+        given = makers_for(model_name, {**recipes(model_name), **PLANS}, only)
+        warm(model_name, [k for k in given if "compile" in k or "compile(" in PLANS.get(k, "")])
     cache: dict = {}
     auto: dict[str, dict[str, Any]] = {}
     # --configs runs autoplan only for the answers it names (a model's two answers with their
@@ -67,18 +113,12 @@ def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dic
                         "candidates": sum(r.role == "candidate" for r in report.rows), "notes": report.notes}
         print(f"{config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
     texts = {**recipes(model_name), **PLANS, **{k: v["plan"] for k, v in auto.items()}}
-    makers: dict[str, Callable[[], nn.Module]] = {
-        name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks, batch), name)
-        for name in ANCHORS
-        if name != "compile_budget0.5" and (not name.startswith("auto_sac") or name in (only or ()))}
-    makers.update({name: functools.partial(lambda t: sw.apply(build(model_name), t), text)
-                   for name, text in texts.items()})
-    makers = {k: v for k, v in makers.items() if not only or k in only or k in auto}
+    makers = makers_for(model_name, texts, (only or []) + list(auto) if only else None)
     rows = measure_same_run(model_name, makers, rounds, texts)
     for row in rows:
         row.update(auto.get(row["config"], {}))
     for row in rows:
-        if row["config"] in auto:
+        if row["config"] in auto or row["config"] in PLANS:
             row["dominated_by"] = dominated_by(row, rows)
     return rows
 
@@ -93,6 +133,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 if __name__ == "__main__":
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--plan", action="append", default=[], help="NAME=TEXT: one more row, this plan")
+    extra.add_argument("--warm", action="store_true",
+                       help="first run the compiled rows' first iterations in processes side by side (see warm)")
+    extra.add_argument("--warm-one", help=argparse.SUPPRESS)
     known, sys.argv[1:] = extra.parse_known_args()
     PLANS.update(p.split("=", 1) for p in known.plan)
+    WARM = known.warm
+    if known.warm_one:
+        warm_one(sys.argv[sys.argv.index("--model") + 1], known.warm_one)
+        sys.exit(0)
     same_run_main(__doc__, list(MODELS), run, table, rounds=5)

@@ -562,6 +562,40 @@ def test_the_compile_stage_measures_the_smallest_sets_budgeted_form_where_it_kee
     assert [m for m in measured if "memory_budget" in m] == [budget]
 
 
+def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkeypatch):
+    import dataclasses
+    import sys
+    import types
+
+    from shrinkwrap.autoplan import Effect, _Search
+    from shrinkwrap.report import Row
+
+    model = resnet64()
+    by_cover = {c.covers: c for c in candidates(model, device="cpu")}
+    rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})
+    ahead, measured = [], []
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "compile_ahead", lambda make, plans, batch, options, room: (
+        ahead.append(([str(p) for p in plans], room)) or (2, [None, "OutOfMemoryError: ..."])))
+
+    class Search(_Search):
+        def measure_chosen(self, plan, isolate=True):
+            measured.append(str(plan))
+            return Row(plan, dataclasses.replace(rows[0].profile), role="chosen")
+
+    base = Row(sw.Plan(), dataclasses.replace(rows[0].profile, peak=3000, first_peak=4000))
+    cache = {("", True): base, (r"checkpoint('layer1'), compile()", False): rows[0]}  # measured already
+    stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None)
+    search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
+    effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
+    search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
+    ((texts, room),) = ahead
+    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 3
+    assert room == 4000 and search.ahead[:2] == (3, 2) and search.ahead[3] == 1  # one failed there
+    ahead.clear()
+    search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile(backend='aot_eager_decomp_partition')"))
+    assert not ahead  # nothing of that backend's is kept on disk
+
+
 def test_sets_of_candidates_that_make_the_same_plan_cover_alike():
     from shrinkwrap.autoplan import Effect, _covered
 

@@ -1,6 +1,7 @@
 """The measuring harness: shrinkwrap.measure (one configuration) and plan_report (baseline -> steps)."""
 
 import multiprocessing
+import os
 import subprocess
 import sys
 import types
@@ -388,6 +389,57 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert not [c for c in multiprocessing.active_children() if c.pid not in before]
     assert report.isolation == "in subprocesses" and [r.status for r in report.rows] == ["ok", "ok"]
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
+
+
+class _Recording:
+    """A loss that appends its process id to a file each time it runs (picklable: a spawned process gets it)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self, out):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return out.float().mean()
+
+
+def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_side(tmp_path):
+    from shrinkwrap.compare import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    log = tmp_path / "steps"
+    options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
+    plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
+             sw.Plan.parse("compile(backend='no_such_backend')")]
+    at_once, errors = compile_ahead(mlp, plans, torch.randn(16, 32), options)
+    assert at_once == 3 and errors[:2] == [None, None] and "no_such_backend" in errors[2]
+    pids = log.read_text().split()
+    assert len(pids) == 4 and str(os.getpid()) not in pids  # the warm-up and one more iteration, each plan that ran
+    # One plan alone, or one that cannot be sent to a process: nothing runs ahead (this process compiles it).
+    log.unlink()
+    assert compile_ahead(mlp, plans[:1], torch.randn(16, 32), options) == (0, [])
+    assert compile_ahead(lambda: mlp(), plans, torch.randn(16, 32), options) == (0, [])
+    assert not log.exists()
+
+
+@pytest.mark.cuda
+def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from shrinkwrap.compare import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold for this test; the processes inherit it
+    plans = [sw.Plan.parse("compile()"), sw.Plan.parse("autocast(torch.bfloat16), compile()")]
+    options = Options(iterations=1, warmup=2, device="cuda")
+    x = torch.randn(64, 32)
+    free = torch.cuda.mem_get_info()[0]
+    assert compile_ahead(mlp, plans, x, options, room=free) == (0, [])  # memory for one process only
+    assert compile_ahead(mlp, plans, x, options, room=2**20) == (2, [None, None])
+    torch._dynamo.reset()
+    counters.clear()
+    sw.measure(sw.apply(mlp(), plans[1]), x, device="cuda", warmup=2, iterations=1)
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 2 and not counters["inductor"]["fxgraph_cache_miss"]
 
 
 def test_a_process_started_ahead_imports_the_modules_of_the_models_classes_and_never_calls_the_factory(

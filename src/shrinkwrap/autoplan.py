@@ -29,7 +29,8 @@ impact" — done for the user, in stages, each a function below:
    steps with ``compile(memory_budget=0.6)``, where the compiler's partitioner chooses what to
    recompute; the best of every plan measured wins. Three compilations, not one per candidate:
    compiled, every plan runs faster than eager, so the smallest set usually fits a step-time
-   limit that it missed eager.
+   limit that it missed eager. With inductor the plans are first compiled side by side in fresh
+   processes, whose work this process then takes from the compiler's on-disk caches.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ import torch
 import torch.nn as nn
 
 from ._tree import tensors, tree_map
-from .compare import FreshProcesses, Progress, _build, _Copies, describe_batch, measure_plans, model_maker
+from .compare import (FreshProcesses, Progress, _build, _Copies, compile_ahead, describe_batch, measure_plans,
+                      model_maker)
 from .measure.step import (LossFn, OptimizerFactory, Options, Timing, device_name, forward_times, resolve_device,
                            time_interleaved)
 from .plan import Plan
@@ -422,6 +424,7 @@ class _Search:
     tolerance: float = 0.03
     ratios: dict = dataclasses.field(default_factory=dict)  # plan text -> (baseline, plan) Timings
     sets: dict = dataclasses.field(default_factory=dict)  # verified plan text -> the Effects it was made of
+    ahead: tuple | None = None  # the compile stage's plans compiled ahead: (plans, at once, seconds, failed)
 
     def fits_time(self, row: Row) -> bool:
         """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
@@ -625,9 +628,9 @@ class _Search:
         each with ``step`` (a plan of one compile step) last, and the verified plan's budgeted form
         (:func:`_budgeted`), and the smallest set's where it keeps a region, measured as the verified plans are
         (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
-        anyway, and a fresh process would compile it a second time, cold (on an H100 that was
-        most of autoplan's time: 114 of 149 s on resnet18). A plan that fails to compile is a
-        row with its error."""
+        anyway, and a fresh process would compile it a second time (on an H100 that was most of
+        autoplan's time: 114 of 149 s on resnet18). With inductor they are compiled ahead, side by
+        side (:meth:`compile_ahead`). A plan that fails to compile is a row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
@@ -639,6 +642,8 @@ class _Search:
             budgeted.append(kept)
         plans = [p + step for p in (final, smallest)] + [p for p in budgeted if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
+        if step.steps[0].backend == "inductor":  # the backend whose work is cached on disk
+            self.compile_ahead([p for p in plans if (str(p), False) not in self.rows.cache], progress)
         rows = []
         for i, plan in enumerate(plans):
             if progress:
@@ -649,6 +654,22 @@ class _Search:
         if progress:
             progress(len(plans), len(plans), "compiled plans measured")
         return rows
+
+    def compile_ahead(self, plans: list[Plan], progress: Progress | None) -> None:
+        """Compile ``plans`` in processes side by side first (:func:`~shrinkwrap.compare.compile_ahead`),
+        as many at once as the device's free memory holds at the baseline's peak each, so that
+        this process compiles each from the on-disk caches. On an H100, resnet152's plans took
+        97-119 s each to compile cold and 6-8 s from the caches."""
+        if len(plans) < 2:
+            return
+        if progress:
+            progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
+        started = time.perf_counter()
+        base = self.rows.cache.get(("", True))
+        room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
+        at_once, errors = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room)
+        if at_once:
+            self.ahead = (len(plans), at_once, time.perf_counter() - started, sum(e is not None for e in errors))
 
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
@@ -957,6 +978,11 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
                  "fits there again in a fresh process on CUDA, compiled ones in this process only; each timed in "
                  "turns with the baseline)")
+    if search.ahead:
+        n, at_once, seconds, failed = search.ahead
+        notes.append(f"of which {seconds:.1f} s compiling {n} plan(s) ahead, {at_once} processes at once, into the "
+                     "compiler's on-disk caches, which this process then compiled them from"
+                     + (f" ({failed} failed there: their rows say why)" if failed else ""))
     notes.append(f"plan: {final.plan}")
     report.rows += tried
     report.notes = notes

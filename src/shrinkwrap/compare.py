@@ -36,7 +36,8 @@ import torch.nn as nn
 from . import _rewrite
 from ._tree import tensors, tree_map
 from .measure.ranks import rank_and_world
-from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, numbered, resolve_device
+from .measure.step import (LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, numbered,
+                           resolve_device, time_interleaved)
 from .plan import Plan, PlanLike, as_plan
 from .report import Report, Row
 from .select import wrong
@@ -137,11 +138,77 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is a row, not the end
         if not keep_going:
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return ("failed", f"{type(exc).__name__}: {first}"[:300]), matched, skipped
+        return ("failed", _said(exc)), matched, skipped
     finally:
         model = None  # this frame's reference must go before the cache is emptied for the next row
         _clean(device)
+
+
+def _said(exc: BaseException) -> str:
+    """An error as a row or a note shows it: its type and the first line of its message."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> str | None:
+    """Build ``plan``'s model and run its warm-up iterations and one more (where a compiled plan
+    compiles its forward and backward); None, or what stopped it."""
+    device = torch.device(options.device)
+    try:
+        model = _build(make, device, plan)
+        time_interleaved({"first": model}, batch, options, rounds=1, per_round=1)
+        return None
+    except Exception as exc:  # noqa: BLE001 - only a head start: the plan's own row says what fails
+        return _said(exc)
+    finally:
+        model = None
+        _clean(device)
+
+
+def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
+                  room: int | None = None) -> tuple[int, list[str | None]]:
+    """Run each plan's first iterations in fresh processes, several at once, so that what they
+    compile is in the compiler's on-disk caches (inductor's FX graphs and kernels, AOTAutograd's
+    joint graphs) before this process compiles the same plans. Returns how many processes ran at
+    once, and each plan's error or None; ``(0, [])`` where fewer than two would (one process ahead
+    of this one only adds its start).
+
+    ``room``: the device memory one process may take (each holds a model, its optimizer state and
+    a step's activations); on CUDA as many run at once as the free memory holds. What runs there
+    is timed nowhere, and this process waits until every one has exited.
+
+    On an H100 (torch 2.11, 2026-11-26, ``benchmarks/probes/compile_cache.py``), resnet152 @64's
+    first two iterations under ``autocast(bf16), compile()`` took 97.0 s cold and 6.4 s from the
+    caches; three such plans compiled side by side in 114 s, where one after another took 97-119 s
+    each.
+
+    Example::
+
+        >>> compile_ahead(make, [Plan.parse("compile()"), Plan.parse("autocast(torch.bfloat16), compile()")], batch,
+        ...               Options(device="cuda"))
+        (2, [None, None])
+    """
+    device = resolve_device(options.device)
+    at_once = len(plans)
+    if device.type == "cuda" and room:
+        at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // room))
+    if at_once < 2:
+        return 0, []
+    options = dataclasses.replace(options, device=str(device))
+    batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
+    try:
+        pickle.dumps((make, plans, batch, options))
+    except Exception:  # noqa: BLE001 - pickle raises many types; this process compiles the plans itself then
+        return 0, []
+    with concurrent.futures.ProcessPoolExecutor(at_once, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_first_steps, make, plan, batch, options) for plan in plans]
+        out = []
+        for future in futures:
+            try:
+                out.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
+                out.append(_said(exc))
+    return at_once, out
 
 
 def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) -> None:
