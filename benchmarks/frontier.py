@@ -76,15 +76,24 @@ def warm(model_name: str, names: list[str], at_once: int = 4) -> None:
     started = time.perf_counter()
     extra = [a for p in PLANS.items() for a in ("--plan", "=".join(p))]
     waiting = list(names)
-    running: list[subprocess.Popen] = []
-    while waiting or running:
-        while waiting and len(running) < at_once:
-            running.append(subprocess.Popen([sys.executable, __file__, "--model", model_name, "--warm-one",
-                                             waiting.pop(0), *extra]))
-        running[0].wait()
-        running = [r for r in running if r.poll() is None]
-    print(f"warmed {len(names)} compiled rows, {at_once} at a time, in {time.perf_counter() - started:.1f} s",
-          file=sys.stderr, flush=True)
+    running: dict[str, subprocess.Popen] = {}
+    failed = []
+    try:
+        while waiting or running:
+            while waiting and len(running) < at_once:
+                name = waiting.pop(0)
+                running[name] = subprocess.Popen([sys.executable, __file__, "--model", model_name, "--warm-one", name,
+                                                  *extra])
+            time.sleep(1)
+            for name, process in list(running.items()):
+                if process.poll() is not None:
+                    del running[name]
+                    failed += [name] if process.returncode else []
+    finally:
+        for process in running.values():
+            process.kill()
+    print(f"warmed {len(names)} compiled rows, {at_once} at a time, in {time.perf_counter() - started:.1f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr, flush=True)
 
 
 def warm_one(model_name: str, name: str) -> None:

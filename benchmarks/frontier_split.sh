@@ -16,7 +16,10 @@ role=$1; model=$2; logdir=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$logdir"
 if [ "$role" = autoplan ]; then
-    python3 "$here/frontier.py" --model "$model" --configs auto_fast,auto_small --json "$logdir/$model-auto.json"
+    # --json appends, and the rows job must not read an earlier run's answers: written whole, at the end.
+    rm -f "$logdir/$model-auto.json" "$logdir/$model-auto.json.part"
+    python3 "$here/frontier.py" --model "$model" --configs auto_fast,auto_small --json "$logdir/$model-auto.json.part" \
+        && mv "$logdir/$model-auto.json.part" "$logdir/$model-auto.json"
     exit
 fi
 for c in compile compile+bf16 fast_compiled small_compiled; do
@@ -25,6 +28,7 @@ done
 wait
 echo "anchors compiled ahead at $SECONDS s" >&2
 until [ -s "$logdir/$model-auto.json" ] || [ $SECONDS -gt 560 ]; do sleep 5; done
+[ -s "$logdir/$model-auto.json" ] || { echo "no answers from the autoplan job" >&2; exit 1; }
 plans=$(python3 - "$logdir/$model-auto.json" <<'PY'
 import json, sys
 rows = {r["config"]: r for r in map(json.loads, open(sys.argv[1]))}

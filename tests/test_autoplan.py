@@ -584,16 +584,23 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
 
     base = Row(sw.Plan(), dataclasses.replace(rows[0].profile, peak=3000, first_peak=4000))
     cache = {("", True): base, (r"checkpoint('layer1'), compile()", False): rows[0]}  # measured already
-    stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None)
+    stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True)
     search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room),) = ahead
     assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 3
-    assert room == 4000 and search.ahead[:2] == (3, 2) and search.ahead[3] == 1  # one failed there
-    ahead.clear()
-    search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile(backend='aot_eager_decomp_partition')"))
-    assert not ahead  # nothing of that backend's is kept on disk
+    assert room == 4000 and (search.ahead.plans, search.ahead.at_once) == (3, 2)
+    assert search.ahead.errors == ["OutOfMemoryError: ..."]  # what failed there, for the notes
+    # Not where nothing is kept on disk (another backend), where kernels are tuned as the graph
+    # compiles (beside other processes, the choice would be kept), or without CUDA.
+    for step, cuda in [("compile(backend='aot_eager_decomp_partition')", True), ("compile(mode='max-autotune')", True),
+                       ("compile()", False)]:
+        ahead.clear()
+        cache.clear()
+        stage.cuda, search.ahead = cuda, None
+        search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse(step))
+        assert not ahead and search.ahead is None
 
 
 def test_sets_of_candidates_that_make_the_same_plan_cover_alike():

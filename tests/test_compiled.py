@@ -183,6 +183,11 @@ def test_the_harness_reports_a_compiled_model_honestly():
     assert "compiled" in str(prof)
     plain = sw.measure(tiny_efficientnet(), torch.randn(2, 3, 32, 32), iterations=1, warmup=1, device="cpu")
     assert not plain.compiled and plain.graph_breaks is None
+    # A child swapped for torch.compile's wrapper by hand: compiled too, its recompiles counted.
+    part = tiny_efficientnet()
+    part.blocks = torch.compile(part.blocks, backend="aot_eager")
+    prof = sw.measure(part, torch.randn(2, 3, 32, 32), iterations=1, warmup=2, device="cpu")
+    assert prof.compiled and prof.recompiles == 0 and prof.graph_breaks is not None
 
 
 def test_a_graph_break_is_counted():

@@ -399,7 +399,7 @@ class _Recording:
 
     def __call__(self, out):
         with open(self.path, "a") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()} {torch.get_float32_matmul_precision()}\n")
         return out.float().mean()
 
 
@@ -411,10 +411,17 @@ def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_si
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
              sw.Plan.parse("compile(backend='no_such_backend')")]
-    at_once, errors = compile_ahead(mlp, plans, torch.randn(16, 32), options)
+    torch.set_float32_matmul_precision("high")  # a setting the compiler's caches key on: the processes take it
+    try:
+        at_once, errors = compile_ahead(mlp, plans, torch.randn(16, 32), options)
+    finally:
+        torch.set_float32_matmul_precision("highest")
     assert at_once == 3 and errors[:2] == [None, None] and "no_such_backend" in errors[2]
-    pids = log.read_text().split()
-    assert len(pids) == 4 and str(os.getpid()) not in pids  # the warm-up and one more iteration, each plan that ran
+    lines = [line.split() for line in log.read_text().splitlines()]
+    pids = [pid for pid, _ in lines]
+    # The warm-up and one more iteration, each plan that ran, in a process of its own.
+    assert len(pids) == 4 and len(set(pids)) == 2 and str(os.getpid()) not in pids
+    assert {precision for _, precision in lines} == {"high"}
     # One plan alone, or one that cannot be sent to a process: nothing runs ahead (this process compiles it).
     log.unlink()
     assert compile_ahead(mlp, plans[:1], torch.randn(16, 32), options) == (0, [])

@@ -55,7 +55,7 @@ from .measure.step import (LossFn, OptimizerFactory, Options, Timing, device_nam
                            time_interleaved)
 from .plan import Plan
 from .report import Report, Row
-from .step import Candidate, Context, registered
+from .step import Candidate, Context, Step, registered
 from .transforms.compile import PARTITIONING
 
 Budget = Union[int, float, str, None]
@@ -408,6 +408,27 @@ def _copies_of(make: Callable[[], nn.Module], model: nn.Module) -> Callable[[], 
 
 
 @dataclasses.dataclass
+class _Ahead:
+    """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`), and what this
+    process then compiled from the caches (AOTAutograd's, one per graph)."""
+
+    plans: int
+    at_once: int
+    seconds: float
+    errors: list[str]
+    hits: int = 0
+    misses: int = 0
+
+
+def _cache_counts() -> tuple[int, int]:
+    """AOTAutograd's cache hits and misses so far in this process (a graph compiled from the
+    caches or anew)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+
+
+@dataclasses.dataclass
 class _Search:
     """What the stages share: how to measure, the limits, and the baseline they are read against."""
 
@@ -424,7 +445,7 @@ class _Search:
     tolerance: float = 0.03
     ratios: dict = dataclasses.field(default_factory=dict)  # plan text -> (baseline, plan) Timings
     sets: dict = dataclasses.field(default_factory=dict)  # verified plan text -> the Effects it was made of
-    ahead: tuple | None = None  # the compile stage's plans compiled ahead: (plans, at once, seconds, failed)
+    ahead: _Ahead | None = None  # the compile stage's plans compiled ahead
 
     def fits_time(self, row: Row) -> bool:
         """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
@@ -642,8 +663,8 @@ class _Search:
             budgeted.append(kept)
         plans = [p + step for p in (final, smallest)] + [p for p in budgeted if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
-        if step.steps[0].backend == "inductor":  # the backend whose work is cached on disk
-            self.compile_ahead([p for p in plans if (str(p), False) not in self.rows.cache], progress)
+        self.compile_ahead(plans, step.steps[0], progress)
+        before = _cache_counts() if self.ahead else None
         rows = []
         for i, plan in enumerate(plans):
             if progress:
@@ -651,15 +672,22 @@ class _Search:
             row = self.measure_chosen(plan, isolate=False)
             row.role = "compiled"
             rows.append(row)
+        if before is not None:
+            self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(_cache_counts(), before))
         if progress:
             progress(len(plans), len(plans), "compiled plans measured")
         return rows
 
-    def compile_ahead(self, plans: list[Plan], progress: Progress | None) -> None:
-        """Compile ``plans`` in processes side by side first (:func:`~shrinkwrap.compare.compile_ahead`),
-        as many at once as the device's free memory holds at the baseline's peak each, so that
-        this process compiles each from the on-disk caches. On an H100, resnet152's plans took
-        97-119 s each to compile cold and 6-8 s from the caches."""
+    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> None:
+        """Compile ``plans`` (those not measured in this process yet) in processes side by side first (:func:`~shrinkwrap.compare.compile_ahead`),
+        as many at once as the GPU's free memory holds at the baseline's peak each, so that this
+        process compiles each from the on-disk caches: on CUDA, with inductor (the backend whose
+        work is kept on disk), unless ``step``'s mode tunes kernels as it compiles (``max-autotune``:
+        chosen beside other processes, the choice would be kept in the cached graph). On an H100,
+        resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches."""
+        if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
+            return
+        plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
         if len(plans) < 2:
             return
         if progress:
@@ -669,7 +697,7 @@ class _Search:
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
         at_once, errors = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room)
         if at_once:
-            self.ahead = (len(plans), at_once, time.perf_counter() - started, sum(e is not None for e in errors))
+            self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, [e for e in errors if e])
 
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
@@ -979,10 +1007,11 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                  "fits there again in a fresh process on CUDA, compiled ones in this process only; each timed in "
                  "turns with the baseline)")
     if search.ahead:
-        n, at_once, seconds, failed = search.ahead
-        notes.append(f"of which {seconds:.1f} s compiling {n} plan(s) ahead, {at_once} processes at once, into the "
-                     "compiler's on-disk caches, which this process then compiled them from"
-                     + (f" ({failed} failed there: their rows say why)" if failed else ""))
+        ahead = search.ahead
+        notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
+                     f"at once, into the compiler's on-disk caches; this process then compiled {ahead.hits} graph(s) "
+                     f"from them and {ahead.misses} anew"
+                     + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
     notes.append(f"plan: {final.plan}")
     report.rows += tried
     report.notes = notes

@@ -36,8 +36,8 @@ import torch.nn as nn
 from . import _rewrite
 from ._tree import tensors, tree_map
 from .measure.ranks import rank_and_world
-from .measure.step import (LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, numbered,
-                           resolve_device, time_interleaved)
+from .measure.step import (LossFn, OptimizerFactory, Options, Profile, _clean, _setup, device_name, measure_with,
+                           numbered, resolve_device)
 from .plan import Plan, PlanLike, as_plan
 from .report import Report, Row
 from .select import wrong
@@ -150,32 +150,77 @@ def _said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"[:300]
 
 
-def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> str | None:
-    """Build ``plan``'s model and run its warm-up iterations and one more (where a compiled plan
-    compiles its forward and backward); None, or what stopped it."""
+PROCESS_MARGIN = 2**30  # what a process holds beside its row's peak: its CUDA context and workspaces
+
+
+def _compile_settings() -> dict:
+    """What this process set that the compiler's caches key on and a spawned process would not
+    inherit: float32 matmul precision, deterministic algorithms, the default dtype, and inductor's
+    and AOTAutograd's configuration. Set elsewhere, a process compiles graphs that this one then
+    misses in the caches."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return {"matmul": torch.get_float32_matmul_precision(), "dtype": torch.get_default_dtype(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable()}
+
+
+def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
+                 settings: dict) -> str | None:
+    """In a spawned process: ``settings`` (:func:`_compile_settings`) taken on, then ``plan``'s
+    model built and run for its warm-up iterations and one more (where a compiled plan compiles
+    its forward and backward); None, or what stopped it."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch.set_float32_matmul_precision(settings["matmul"])
+    torch.set_default_dtype(settings["dtype"])
+    torch.use_deterministic_algorithms(settings["deterministic"][0], warn_only=settings["deterministic"][1])
+    inductor_config.load_config(settings["inductor"])
+    functorch_config.load_config(settings["functorch"])
+    # Kernel configurations tuned here, beside other processes on the GPU, would be kept on disk and
+    # used by the process that times the plan: it tunes them itself, alone.
+    inductor_config.autotune_local_cache = False
     device = torch.device(options.device)
+    model = None
     try:
         model = _build(make, device, plan)
-        time_interleaved({"first": model}, batch, options, rounds=1, per_round=1)
+        step, _ = _setup(model, batch, options, device)
+        for _ in range(options.warmup + 1):
+            step()
         return None
     except Exception as exc:  # noqa: BLE001 - only a head start: the plan's own row says what fails
         return _said(exc)
     finally:
-        model = None
+        model = step = None
         _clean(device)
+
+
+def _unsendable(args: tuple) -> str | None:
+    """Why ``args`` cannot be sent to a spawned process (pickled), or None."""
+    try:
+        pickle.dumps(args)
+        return None
+    except Exception as exc:  # noqa: BLE001 - pickle raises many types (PicklingError, AttributeError, TypeError)
+        return str(exc)
 
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None) -> tuple[int, list[str | None]]:
-    """Run each plan's first iterations in fresh processes, several at once, so that what they
-    compile is in the compiler's on-disk caches (inductor's FX graphs and kernels, AOTAutograd's
-    joint graphs) before this process compiles the same plans. Returns how many processes ran at
-    once, and each plan's error or None; ``(0, [])`` where fewer than two would (one process ahead
-    of this one only adds its start).
+    """Run each plan's first iterations in a fresh process of its own, several at once, so that
+    what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
+    AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
+    processes ran at once, and each plan's error or None; ``(0, [])`` where fewer than two would
+    (one process ahead of this one only adds its start) or the plans cannot be sent to a process.
 
-    ``room``: the device memory one process may take (each holds a model, its optimizer state and
-    a step's activations); on CUDA as many run at once as the free memory holds. What runs there
-    is timed nowhere, and this process waits until every one has exited.
+    ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
+    optimizer state and a step's activations, and its own CUDA context besides, counted here as
+    :data:`PROCESS_MARGIN`); on CUDA as many run at once as the free memory holds. ``None``: no
+    limit. The processes take this process's settings that the caches key on
+    (:func:`_compile_settings`); kernels' tuning is not kept from them. Nothing they run is timed,
+    and this process waits until every one has exited.
 
     On an H100 (torch 2.11, 2026-11-26, ``benchmarks/probes/compile_cache.py``), resnet152 @64's
     first two iterations under ``autocast(bf16), compile()`` took 97.0 s cold and 6.4 s from the
@@ -190,24 +235,36 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     """
     device = resolve_device(options.device)
     at_once = len(plans)
-    if device.type == "cuda" and room:
-        at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // room))
-    if at_once < 2:
-        return 0, []
+    if device.type == "cuda" and room is not None:
+        at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
     options = dataclasses.replace(options, device=str(device))
     batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
-    try:
-        pickle.dumps((make, plans, batch, options))
-    except Exception:  # noqa: BLE001 - pickle raises many types; this process compiles the plans itself then
+    settings = _compile_settings()
+    if at_once < 2 or _unsendable((make, list(plans), batch, options, settings)):
         return 0, []
-    with concurrent.futures.ProcessPoolExecutor(at_once, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_first_steps, make, plan, batch, options) for plan in plans]
-        out = []
-        for future in futures:
-            try:
-                out.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
-                out.append(_said(exc))
+    out: list[str | None] = [None] * len(plans)
+    waiting = list(enumerate(plans))
+    running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < at_once:
+                i, plan = waiting.pop(0)
+                pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                running[pool.submit(_first_steps, make, plan, batch, options, settings)] = (i, pool)
+            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                i, pool = running.pop(future)
+                try:
+                    out[i] = future.result()
+                except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
+                    out[i] = _said(exc)
+                _end(_stop(pool), grace=10)  # gone, and its memory with it, before the next one starts
+    except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
+        for i, _ in waiting + list(running.values()):
+            out[i] = _said(exc)
+    finally:
+        for _, pool in running.values():
+            _end(_stop(pool), grace=0)
     return at_once, out
 
 
@@ -349,12 +406,10 @@ def measure_plans(
                       "this process group")
     # CUDA tensors would be shared with a subprocess, not copied.
     batch = tree_map(lambda t: t.to("cpu"), batch) if isolate else batch
-    if isolate:
-        try:
-            pickle.dumps((make, plans, batch, options))
-        except Exception as exc:  # pickle raises many types (PicklingError, AttributeError, TypeError)
-            isolate = False
-            notes.append(f"rows measured in this process, not in subprocesses: cannot pickle the row ({exc})")
+    unsendable = _unsendable((make, plans, batch, options)) if isolate else None
+    if unsendable:
+        isolate = False
+        notes.append(f"rows measured in this process, not in subprocesses: cannot pickle the row ({unsendable})")
     if device.type == "cuda" and not isolate:
         notes.append("in-process CUDA rows: caches emptied and peak statistics reset between rows, but "
                      "cuDNN workspaces and earlier rows' context may still count")

@@ -677,9 +677,11 @@ def _transfers(model: nn.Module, reset: bool = False) -> dict[str, int]:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or a module in it runs compiled (``torch.compile`` or ``Module.compile``)."""
-    return type(model).__name__ == "OptimizedModule" or any(
-        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    """Whether ``model`` or a module in it runs compiled: ``Module.compile``, or ``torch.compile``'s
+    wrapper (``OptimizedModule``) as the model or in place of a child
+    (``model.layer1 = torch.compile(model.layer1)``)."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
 
 
 def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
