@@ -239,7 +239,10 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
     options = dataclasses.replace(options, device=str(device))
     batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
-    settings = _compile_settings()
+    try:
+        settings = _compile_settings()
+    except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
+        return 0, []
     if at_once < 2 or _unsendable((make, list(plans), batch, options, settings)):
         return 0, []
     out: list[str | None] = [None] * len(plans)
