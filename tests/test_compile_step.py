@@ -151,6 +151,12 @@ def test_a_model_compiled_by_hand_is_refused():
     with pytest.raises(ValueError, match=r"already compiled in place \(nn.Module.compile\)"):
         sw.apply(model, [sw.compile(backend=EAGER)])
     assert sw.records(model) == []
+    wrapped = torch.compile(_mlp(), backend=EAGER)  # torch.compile's wrapper, as the model or in place of a child
+    with pytest.raises(ValueError, match=r"already compiled by torch.compile \(an OptimizedModule wrapper\)"):
+        sw.apply(wrapped, [sw.compile(backend=EAGER)])
+    parent = nn.Sequential(torch.compile(_mlp(), backend=EAGER))
+    with pytest.raises(ValueError, match=r"0 is already compiled by torch.compile .* would replace that"):
+        sw.apply(parent, [sw.compile(backend=EAGER, pattern="0")])
 
 
 def _copies(model):

@@ -249,6 +249,16 @@ def pattern_for(model: nn.Module, names: Sequence[str]) -> str:
     return "|".join(regex.escape(n) for n in names)
 
 
+def compiled_how(m: nn.Module) -> str | None:
+    """How ``m`` runs compiled, for messages: in place (``nn.Module.compile``, or shrinkwrap's
+    ``compile()`` step), as ``torch.compile``'s wrapper (``OptimizedModule``), or not (None)."""
+    if type(m).__name__ == "OptimizedModule":
+        return "by torch.compile (an OptimizedModule wrapper)"
+    if m.__dict__.get("_compiled_call_impl") is not None:
+        return "in place (nn.Module.compile)"
+    return None
+
+
 def has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
 

@@ -39,7 +39,7 @@ import torch.nn as nn
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
-from ..select import require_module
+from ..select import compiled_how, require_module
 from .modules import Event, ForwardTimes, ModuleLog
 from .ranks import gather, local, rank_and_world
 from .saved import SavedTensors
@@ -680,8 +680,7 @@ def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or a module in it runs compiled: ``Module.compile``, or ``torch.compile``'s
     wrapper (``OptimizedModule``) as the model or in place of a child
     (``model.layer1 = torch.compile(model.layer1)``)."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+    return any(compiled_how(m) for m in model.modules())
 
 
 def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..select import Pattern, SelectionError, select, wrong
+from ..select import Pattern, SelectionError, compiled_how, select, wrong
 from ..step import Step, Targets, _inside, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
@@ -203,7 +203,7 @@ class Compile(Step):
         if self in applied_steps(model):
             return Targets([], [("", "already compiled")])
         names = [""] if self.pattern is None else select(model, self.pattern, outermost=True)
-        by_hand = [n for n, m in model.named_modules() if m.__dict__.get("_compiled_call_impl") is not None]
+        by_hand = {n: how for n, m in model.named_modules() if (how := compiled_how(m))}
         for name in names:
             module = model.get_submodule(name)
             what = f"{name or type(model).__name__} ({type(module).__name__})"
@@ -212,8 +212,8 @@ class Compile(Step):
             compiled = [n for n in by_hand if _inside(name, n)]
             if compiled:
                 raise ValueError(
-                    f"shrinkwrap: {self}: {compiled[0] or type(model).__name__} is already compiled in place "
-                    "(nn.Module.compile), and this step would "
+                    f"shrinkwrap: {self}: {compiled[0] or type(model).__name__} is already compiled "
+                    f"{by_hand[compiled[0]]}, and this step would "
                     f"{'replace that' if compiled[0] == name else f'compile {what} inside it'}. Leave this "
                     "step out, or apply it to the model before compiling it yourself."
                 )
