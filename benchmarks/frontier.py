@@ -68,6 +68,12 @@ def makers_for(model_name: str, texts: dict[str, str], only: list[str] | None) -
     return {k: v for k, v in makers.items() if not only or k in only}
 
 
+def compiled_rows(model_name: str, only: list[str] | None) -> list[str]:
+    """The rows (of ``only``, or all) that run compiled: the compiled anchors, recipes and ``--plan`` rows."""
+    return [k for k in makers_for(model_name, {**recipes(model_name), **PLANS}, only)
+            if "compile" in k or "compile(" in PLANS.get(k, "")]
+
+
 def warm(model_name: str, names: list[str], at_once: int = 4) -> None:
     """The compiled rows' first iterations, each in its own process, ``at_once`` side by side, before
     anything is timed on this GPU: what they compile lands in inductor's on-disk caches, and this
@@ -105,8 +111,7 @@ def warm_one(model_name: str, name: str) -> None:
 def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
     _, batch = _load(model_name, MODELS[model_name][1])
     if WARM:
-        given = makers_for(model_name, {**recipes(model_name), **PLANS}, only)
-        warm(model_name, [k for k in given if "compile" in k or "compile(" in PLANS.get(k, "")])
+        warm(model_name, compiled_rows(model_name, only))
     cache: dict = {}
     auto: dict[str, dict[str, Any]] = {}
     # --configs runs autoplan only for the answers it names (a model's two answers with their
@@ -144,11 +149,20 @@ if __name__ == "__main__":
     extra.add_argument("--plan", action="append", default=[], help="NAME=TEXT: one more row, this plan")
     extra.add_argument("--warm", action="store_true",
                        help="first run the compiled rows' first iterations in processes side by side (see warm)")
+    extra.add_argument("--warm-only", action="store_true",
+                       help="only that: compile the compiled rows (of --configs, or all) ahead, measure nothing")
     extra.add_argument("--warm-one", help=argparse.SUPPRESS)
     known, sys.argv[1:] = extra.parse_known_args()
     PLANS.update(p.split("=", 1) for p in known.plan)
     WARM = known.warm
-    if known.warm_one:
-        warm_one(sys.argv[sys.argv.index("--model") + 1], known.warm_one)
+    if known.warm_one or known.warm_only:
+        rows = argparse.ArgumentParser(add_help=False)
+        rows.add_argument("--model", required=True, choices=sorted(MODELS))
+        rows.add_argument("--configs")
+        which, _ = rows.parse_known_args()
+        if known.warm_one:
+            warm_one(which.model, known.warm_one)
+        else:
+            warm(which.model, compiled_rows(which.model, which.configs.split(",") if which.configs else None))
         sys.exit(0)
     same_run_main(__doc__, list(MODELS), run, table, rounds=5)

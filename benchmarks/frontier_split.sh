@@ -22,10 +22,7 @@ if [ "$role" = autoplan ]; then
         && mv "$logdir/$model-auto.json.part" "$logdir/$model-auto.json"
     exit
 fi
-for c in compile compile+bf16 fast_compiled small_compiled; do
-    python3 "$here/frontier.py" --model "$model" --warm-one "$c" &
-done
-wait
+python3 "$here/frontier.py" --model "$model" --warm-only
 echo "anchors compiled ahead at $SECONDS s" >&2
 until [ -s "$logdir/$model-auto.json" ] || [ $SECONDS -gt 560 ]; do sleep 5; done
 [ -s "$logdir/$model-auto.json" ] || { echo "no answers from the autoplan job" >&2; exit 1; }

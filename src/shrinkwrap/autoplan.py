@@ -679,12 +679,13 @@ class _Search:
         return rows
 
     def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> None:
-        """Compile ``plans`` (those not measured in this process yet) in processes side by side first (:func:`~shrinkwrap.compare.compile_ahead`),
-        as many at once as the GPU's free memory holds at the baseline's peak each, so that this
-        process compiles each from the on-disk caches: on CUDA, with inductor (the backend whose
-        work is kept on disk), unless ``step``'s mode tunes kernels as it compiles (``max-autotune``:
-        chosen beside other processes, the choice would be kept in the cached graph). On an H100,
-        resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches."""
+        """Compile ``plans`` (those not measured in this process yet) in processes side by side
+        first (:func:`~shrinkwrap.compare.compile_ahead`), as many at once as the GPU's free memory
+        holds at the baseline's peak each, so that this process compiles each from the on-disk
+        caches: on CUDA, with inductor (the backend whose work is kept on disk), unless ``step``'s
+        mode tunes kernels as it compiles (``max-autotune``: chosen beside other processes, the
+        choice would be kept in the cached graph). On an H100, resnet152's plans took 97-119 s
+        each to compile cold and 6-8 s from the caches."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled

@@ -184,7 +184,6 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
     # used by the process that times the plan: it tunes them itself, alone.
     inductor_config.autotune_local_cache = False
     device = torch.device(options.device)
-    model = None
     try:
         model = _build(make, device, plan)
         step, _ = _setup(model, batch, options, device)
@@ -237,13 +236,15 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     at_once = len(plans)
     if device.type == "cuda" and room is not None:
         at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
+    if at_once < 2:
+        return 0, []
     options = dataclasses.replace(options, device=str(device))
     batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
     try:
         settings = _compile_settings()
     except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
         return 0, []
-    if at_once < 2 or _unsendable((make, list(plans), batch, options, settings)):
+    if _unsendable((make, list(plans), batch, options, settings)):
         return 0, []
     out: list[str | None] = [None] * len(plans)
     waiting = list(enumerate(plans))
