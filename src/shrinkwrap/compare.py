@@ -161,10 +161,16 @@ def _compile_settings() -> dict:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    return {"matmul": torch.get_float32_matmul_precision(), "dtype": torch.get_default_dtype(),
+    return {"matmul": (torch.get_float32_matmul_precision(), _fp32_precision()), "dtype": torch.get_default_dtype(),
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled()),
             "inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable()}
+
+
+def _fp32_precision() -> str | None:
+    """float32 matmuls' precision as torch keys its caches on it (``"none"`` until set; None on a
+    torch without the setting)."""
+    return getattr(torch.backends.cuda.matmul, "fp32_precision", None)
 
 
 def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
@@ -175,9 +181,16 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    torch.set_float32_matmul_precision(settings["matmul"])
-    torch.set_default_dtype(settings["dtype"])
-    torch.use_deterministic_algorithms(settings["deterministic"][0], warn_only=settings["deterministic"][1])
+    # Each set only where it differs from this process's own. Setting float32 matmul precision to
+    # the "highest" it already was turns torch's cache key "none" into "ieee": on an H100 (torch
+    # 2.11, 2026-11-26) every graph of the plan then missed the caches in the process that sent it.
+    if settings["matmul"] != (torch.get_float32_matmul_precision(), _fp32_precision()):
+        torch.set_float32_matmul_precision(settings["matmul"][0])
+    if torch.get_default_dtype() != settings["dtype"]:
+        torch.set_default_dtype(settings["dtype"])
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if deterministic != settings["deterministic"]:
+        torch.use_deterministic_algorithms(settings["deterministic"][0], warn_only=settings["deterministic"][1])
     inductor_config.load_config(settings["inductor"])
     functorch_config.load_config(settings["functorch"])
     # Kernel configurations tuned here, beside other processes on the GPU, would be kept on disk and
