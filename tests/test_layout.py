@@ -57,7 +57,7 @@ def train_step(model, x):
     model.train()
     model.zero_grad()
     out = model(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view(out.shape)).sum().backward()
     return out, {n: p.grad for n, p in model.named_parameters()}, dict(model.named_buffers())
 
 
@@ -293,3 +293,123 @@ def test_torch_compile_trains_a_channels_last_model_in_one_graph():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+# -- space_to_depth ------------------------------------------------------------------------------
+def resnet_toy():
+    from toymodels import resnet64
+
+    return resnet64()
+
+
+def hf_resnet():
+    """transformers' ResNet, built from a small config (its embedder's 7x7 stride-2 convolution is the stem)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    class Logits(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x).logits
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3)
+    return Logits(ResNetForImageClassification(config)).double()
+
+
+def test_the_space_to_depth_form_equals_the_convolution_on_odd_shapes_strides_and_kernels():
+    torch.manual_seed(0)
+    for c, k, s, p, h, w in [(3, 7, 2, 3, 33, 40), (4, 3, 2, 1, 17, 16), (3, 4, 4, 0, 32, 32), (2, 5, 3, 2, 20, 23),
+                             (3, (3, 5), 2, (0, 2), 15, 18), (1, 2, 2, 0, 9, 9)]:
+        conv = nn.Conv2d(c, 8, k, s, p).double()
+        for x in (torch.randn(2, c, h, w, dtype=torch.float64, requires_grad=True),
+                  torch.randn(2, c, h, w, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()):
+            ref = conv(x)
+            (gx, gw, gb) = torch.autograd.grad((ref * ref.detach()).sum(), (x, conv.weight, conv.bias))
+            out = sw.SpaceToDepthConv(conv)(x)
+            got = torch.autograd.grad((out * ref.detach()).sum(), (x, conv.weight, conv.bias))
+            assert out.shape == ref.shape and is_cl(out) == is_cl(ref), (c, k, s, p, h, w)
+            for a, b in zip((out, *got), (ref, gx, gw, gb)):
+                torch.testing.assert_close(a, b, **TOL)
+    conv = nn.Conv2d(3, 8, 7, 2, 3).double()  # unbatched: the convolution itself
+    x = torch.randn(3, 20, 20, dtype=torch.float64)
+    assert torch.equal(sw.SpaceToDepthConv(conv)(x), conv(x))
+
+
+@pytest.mark.parametrize("make, size", [(resnet_toy, 30), (hf_resnet, 32)], ids=["toy_resnet", "transformers_resnet"])
+def test_space_to_depth_trains_as_the_plain_model_to_float64_rounding_with_and_without_channels_last(make, size):
+    ref = make()
+    stem = "conv1" if make is resnet_toy else "model.resnet.embedder.embedder.convolution"
+    for plan in ["space_to_depth()", f"space_to_depth(), checkpoint('{stem}'), channels_last()"]:
+        model = sw.apply(copy.deepcopy(ref), plan)
+        assert sw.records(model)[0].matched == (stem,)
+        assert model.state_dict().keys() == ref.state_dict().keys()
+        x = x64(size=size)
+        for _ in range(2):  # the running statistics move twice, from the same values
+            assert_same_step(ref, model, x)
+        sw.revert(model)
+        assert str(model) == str(ref) and not any(isinstance(m, sw.SpaceToDepthConv) for m in model.modules())
+
+
+def test_space_to_depth_selects_the_stem_by_default_and_passes_over_what_it_cannot_rewrite():
+    model = sw.apply(resnet_toy(), "space_to_depth()")
+    assert isinstance(model.conv1, sw.SpaceToDepthConv) and sw.records(model)[-1].matched == ("conv1",)
+    assert model.conv1.wrapped.weight is model.conv1.weight and str(model.conv1).startswith("SpaceToDepthConv[Conv2d](")
+    assert sw.Plan.parse(str(sw.Plan([sw.space_to_depth("conv1")]))) == sw.Plan([sw.space_to_depth("conv1")])
+    sw.apply(model, "space_to_depth()")  # again: nothing more to do
+    assert isinstance(model.conv1.wrapped, nn.Conv2d)
+
+    model = resnet_toy()
+    model.layer2[0].conv1.dilation = (2, 2)
+    sw.apply(model, r"space_to_depth(r'layer\d\.\d\.conv1|conv1')")
+    skipped = dict(sw.records(model)[-1].skipped)
+    assert "stride (1, 1)" in skipped["layer1.0.conv1"] and "dilation=(2, 2)" in skipped["layer2.0.conv1"]
+
+    with pytest.raises(SelectionError, match=r"no convolution to rewrite in Net \(no nn.Conv2d of stride 2"):
+        sw.apply(net(), "space_to_depth()")  # its stem has stride 1
+    model = sw.apply(resnet_toy(), "checkpoint('conv1')")
+    with pytest.raises(SelectionError, match=r"conv1 is wrapped already \(CheckpointModule\): put space_to_depth\(\) "
+                                             r"before"):
+        sw.apply(model, "space_to_depth()")
+    model = resnet_toy()
+    model.conv1.register_forward_hook(lambda *a: None)
+    with pytest.raises(SelectionError, match="has hooks"):
+        sw.apply(model, "space_to_depth()")
+
+
+def test_space_to_depth_compiles_without_a_graph_break_and_trains_as_eager():
+    ref = resnet_toy()
+    model = sw.apply(copy.deepcopy(ref), "space_to_depth(), checkpoint('conv1'), channels_last()")
+    x = x64(size=30)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    out_c, out_r = compiled(x), ref(x)
+    torch.testing.assert_close(out_c, out_r, **TOL)
+    out_c.sum().backward(), out_r.sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=n)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@pytest.mark.cuda
+def test_space_to_depth_on_cuda_equals_the_plain_model_in_float64_and_compiles_with_inductor():
+    ref = resnet_toy().cuda()
+    model = sw.apply(copy.deepcopy(ref), "space_to_depth(), checkpoint('conv1'), channels_last()")
+    x = x64(size=30).cuda()
+    for _ in range(2):
+        assert_same_step(ref, model, x)
+    # bf16 under inductor: the padded, channels-last form cuDNN runs (within bf16's rounding of eager's).
+    torch.manual_seed(0)
+    ref = resnet_toy().float().cuda()
+    plan = "space_to_depth(), checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), compile()"
+    model = sw.apply(copy.deepcopy(ref), plan)
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = ref(x).float()
+    got = model(x)
+    got.sum().backward()
+    assert model.conv1.weight.grad is not None
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) <= 2e-2

@@ -74,3 +74,12 @@ for cl in (False, True):
     print(f"space-to-depth channels_last={cl}: transform {bench(lambda: s2d_input(x)):.3f} ms, "
           f"forward {bench(lambda: F.conv2d(xs, ws)):.3f} ms, "
           f"weight grad {bench(lambda: weight_grad(g, xs, ws, (1, 1), (0, 0))):.3f} ms")
+
+# The space-to-depth input's 12 channels zero-padded to 16 (weight likewise): the same sums.
+x = torch.randn(128, 3, 224, 224, device=DEV, dtype=torch.bfloat16)
+xs, ws = s2d_input(x), s2d_weight(torch.randn(64, 3, 7, 7, device=DEV, dtype=torch.bfloat16))
+xs16 = F.pad(xs, (0, 0, 0, 0, 0, 4)).contiguous(memory_format=CL)
+ws16 = F.pad(ws, (0, 0, 0, 0, 0, 4)).contiguous(memory_format=CL)
+g = torch.randn_like(F.conv2d(xs16, ws16))
+print(f"space-to-depth padded to 16 channels, channels_last: forward {bench(lambda: F.conv2d(xs16, ws16)):.3f} ms, "
+      f"weight grad {bench(lambda: weight_grad(g, xs16, ws16, (1, 1), (0, 0))):.3f} ms")

@@ -10,7 +10,8 @@ pay twice. Here ``conv1`` is swapped for :class:`SpaceToDepthConv` (same weight,
 ``state_dict``) before the plan; rows in one process (compiled.py's harness).
 
 Result (H200, 2026-11-26, RESULTS.md): 5% faster in the plan that runs the convolution once, 9%
-slower in the stem plan, which runs it twice; not built as a step.
+slower in the stem plan, which runs it twice; not built as a step. ``s2dcl_`` rows lay the
+rearranged input out channels-last (``--configs`` picks rows).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "src"))
 class SpaceToDepthConv(nn.Module):
     """A stride-s convolution computed as a stride-1 one over the input's s x s space-to-depth."""
 
-    def __init__(self, conv: nn.Conv2d) -> None:
+    def __init__(self, conv: nn.Conv2d, channels_last: bool = False) -> None:
         super().__init__()
+        self.channels_last = channels_last  # lay the rearranged input out channels-last for cuDNN
         assert conv.groups == 1 and conv.dilation == (1, 1) and conv.padding_mode == "zeros"
         assert conv.stride[0] == conv.stride[1] > 1 and not isinstance(conv.padding, str)
         self.weight, self.bias = conv.weight, conv.bias
@@ -45,6 +47,8 @@ class SpaceToDepthConv(nn.Module):
         x = F.pad(x, (pw, lw - x.shape[3] - pw, ph, lh - x.shape[2] - ph))
         n, c = x.shape[:2]
         x = x.reshape(n, c, lh // s, s, lw // s, s).permute(0, 1, 3, 5, 2, 4).reshape(n, c * s * s, lh // s, lw // s)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         w = F.pad(self.weight, (0, kw2 - kw, 0, kh2 - kh))
         o = w.shape[0]
         w = w.reshape(o, c, kh2 // s, s, kw2 // s, s).permute(0, 1, 3, 5, 2, 4).reshape(o, c * s * s, kh2 // s, kw2 // s)
@@ -67,8 +71,8 @@ def run(model_name: str, rounds: int, only=None):
     import shrinkwrap as sw
     from run import HandAutocast, build, measure_same_run
 
-    def s2d(model):
-        model.conv1 = SpaceToDepthConv(model.conv1)
+    def s2d(model, channels_last=False):
+        model.conv1 = SpaceToDepthConv(model.conv1, channels_last)
         return model
 
     cg = "compile(mode='reduce-overhead', memory_budget=0.6)"
@@ -78,7 +82,9 @@ def run(model_name: str, rounds: int, only=None):
     for name, text in plans.items():
         makers[name] = lambda text=text: sw.apply(build(model_name), text)
         makers["s2d_" + name] = lambda text=text: sw.apply(s2d(build(model_name)), text)
+        makers["s2dcl_" + name] = lambda text=text: sw.apply(s2d(build(model_name), True), text)
     makers["s2d_compile_bf16"] = lambda: torch.compile(HandAutocast(s2d(build(model_name))))
+    makers = {k: v for k, v in makers.items() if not only or k in only}
     return measure_same_run(model_name, makers, rounds, plans)
 
 
