@@ -267,8 +267,9 @@ class SpaceToDepth(Step):
     Exact, not bit for bit (float64 to ``rtol=1e-12`` in the tests); saves no memory. Put it
     before ``checkpoint(...)`` in a plan: a region over the convolution then recomputes the fast
     form (a convolution already wrapped by a region is passed over). Pays with ``channels_last()``
-    (see the module docstring); not an autoplan candidate, whose first stage measures each
-    whole-model step alone, where this one runs contiguous and slower.
+    (see the module docstring). Not an autoplan candidate of its own (its first stage measures
+    each whole-model step alone, where this one runs contiguous and slower); autoplan's compile
+    stage puts it in its budgeted form where that recomputes a stem convolution in channels_last.
 
     Example::
 
