@@ -502,10 +502,16 @@ def test_the_budgeted_form_keeps_a_stem_chains_convolution_as_a_region():
     plan = sw.Plan.parse(r"checkpoint('conv1|bn1|relu|maxpool', chain=True), checkpoint(r'layer1\.\d+'), "
                          "channels_last(), autocast(torch.bfloat16)")
     assert str(_budgeted(plan, step, resnet64())) == (  # the stem's convolution in its fast form, run twice
-        "space_to_depth(), checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), "
+        "space_to_depth(pattern='conv1'), checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), "
         "compile(memory_budget=0.6, backend='aot_eager_decomp_partition')")
     no_layout = sw.Plan.parse("checkpoint('conv1|bn1|relu|maxpool', chain=True), autocast(torch.bfloat16)")
     assert str(_budgeted(no_layout, step, resnet64())).startswith("checkpoint('conv1'), autocast(")
+    # Only the stem convolutions a region recomputes: one inside a region over its parent too.
+    from shrinkwrap.autoplan import _fast_stem
+
+    model = nn.Sequential(resnet64(), resnet64())
+    steps = list(sw.Plan.parse("checkpoint('1'), channels_last()"))
+    assert str(sw.Plan(_fast_stem(steps, model))) == r"space_to_depth(pattern=r'1\.conv1'), checkpoint('1'), channels_last()"
     no_chain = sw.Plan.parse(r"checkpoint(r'layer1\.\d+'), autocast(torch.bfloat16)")
     assert str(_budgeted(no_chain, step, resnet64())) == \
         "autocast(torch.bfloat16), compile(memory_budget=0.6, backend='aot_eager_decomp_partition')"

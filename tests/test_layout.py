@@ -336,6 +336,15 @@ def test_the_space_to_depth_form_equals_the_convolution_on_odd_shapes_strides_an
     conv = nn.Conv2d(3, 8, 7, 2, 3).double()  # unbatched: the convolution itself
     x = torch.randn(3, 20, 20, dtype=torch.float64)
     assert torch.equal(sw.SpaceToDepthConv(conv)(x), conv(x))
+    with pytest.raises(RuntimeError, match="expected input.* to have 3 channels"):  # the convolution's own error
+        sw.SpaceToDepthConv(conv)(torch.randn(2, 4, 20, 20, dtype=torch.float64))
+    # One input channel: contiguous both ways by shape; the strides say channels_last, as for torch's.
+    conv = nn.Conv2d(1, 16, 7, 2, 3).double()
+    conv.weight.data = conv.weight.data.to(memory_format=CL)
+    x = torch.randn(4, 1, 32, 32, dtype=torch.float64).to(memory_format=CL)
+    ref, out = conv(x), sw.SpaceToDepthConv(conv)(x)
+    assert out.stride() == ref.stride() != ref.contiguous().stride()
+    torch.testing.assert_close(out, ref, **TOL)
 
 
 @pytest.mark.parametrize("make, size", [(resnet_toy, 30), (hf_resnet, 32)], ids=["toy_resnet", "transformers_resnet"])
@@ -376,6 +385,15 @@ def test_space_to_depth_selects_the_stem_by_default_and_passes_over_what_it_cann
     model = resnet_toy()
     model.conv1.register_forward_hook(lambda *a: None)
     with pytest.raises(SelectionError, match="has hooks"):
+        sw.apply(model, "space_to_depth()")
+
+    class StandardisedConv(nn.Conv2d):  # changes the weight it convolves with: not torch's sums
+        def _conv_forward(self, x, w, b):
+            return super()._conv_forward(x, (w - w.mean()) / w.std(), b)
+
+    model = resnet_toy()
+    model.conv1 = StandardisedConv(3, 8, 7, 2, 3).double()
+    with pytest.raises(SelectionError, match=r"conv1 is test_layout\.[\w.<>]*StandardisedConv, not an nn.Conv2d computing"):
         sw.apply(model, "space_to_depth()")
 
 

@@ -443,12 +443,30 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
         before = torch.backends.cuda.matmul.fp32_precision
         assert _first_steps(lambda: nn.Linear(4, 2), Plan(), torch.randn(3, 4), Options(device="cpu", warmup=1), settings) is None
         print(before, torch.backends.cuda.matmul.fp32_precision, end=" ")
-        settings["matmul"] = ("high", "tf32")
+        settings["matmul"].update(legacy="high", fp32_precision="tf32", allow_bf16_reduced_precision_reduction=False)
         _first_steps(lambda: nn.Linear(4, 2), Plan(), torch.randn(3, 4), Options(device="cpu", warmup=1), settings)
-        print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.fp32_precision)
+        matmul = torch.backends.cuda.matmul
+        print(torch.get_float32_matmul_precision(), matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction)
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["none", "none", "high", "tf32"]
+    assert out == ["none", "none", "high", "tf32", "False"]
+    # A process that set the precision through torch's newer API (reading it the legacy way then
+    # raises): it is sent, and taken, as that API's setting.
+    code = """if True:
+        import torch
+        from shrinkwrap.compare import _compile_settings, _take_matmul_settings
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        print(_compile_settings()["matmul"])
+    """
+    sent = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert "legacy" not in sent and sent["fp32_precision"] == "tf32"
+    code = f"""if True:
+        import torch
+        from shrinkwrap.compare import _take_matmul_settings
+        _take_matmul_settings({sent!r})
+        print(torch.backends.cuda.matmul.fp32_precision)
+    """
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["tf32"]
 
 
 @pytest.mark.cuda

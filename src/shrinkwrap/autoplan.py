@@ -55,7 +55,8 @@ from .measure.step import (LossFn, OptimizerFactory, Options, Timing, device_nam
                            time_interleaved)
 from .plan import Plan
 from .report import Report, Row
-from .step import Candidate, Context, Step, registered
+from .select import pattern_for
+from .step import Candidate, Context, Step, _inside, registered
 from .transforms.checkpoint import Checkpoint
 from .transforms.compile import PARTITIONING
 from .transforms.layout import ChannelsLast, SpaceToDepth
@@ -801,18 +802,19 @@ def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
 
 
 def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
-    """``steps``, with ``space_to_depth()`` first where they recompute a stem convolution
-    (``checkpoint('conv1')``) in ``channels_last()``: the convolution then runs twice, and its
-    space-to-depth form is the faster one. resnet18 @128 under ``checkpoint('conv1'),
+    """``steps``, with the stem convolutions that they recompute (``checkpoint('conv1')``) under
+    ``channels_last()`` put first in the space-to-depth form (``space_to_depth('conv1')``): such a
+    convolution runs twice, and that form is the faster. resnet18 @128 under ``checkpoint('conv1'),
     channels_last(), autocast(bf16), compile(mode='reduce-overhead', memory_budget=0.6)`` ran
     0.97-1.01x compile + bf16's step time, and 0.88-0.92x with it, at the same memory (H100, torch
     2.11, 2026-11-26, three runs)."""
+    regions = [n for s in steps if isinstance(s, Checkpoint) for n in s.targets(model).matched]
     stem = SpaceToDepth()
-    regions = {n for s in steps if isinstance(s, Checkpoint) for n in s.targets(model).matched}
     if any(isinstance(s, SpaceToDepth) for s in steps) or not (
             regions and any(isinstance(s, ChannelsLast) for s in steps) and stem.applies(model)):
         return steps
-    return [stem, *steps] if regions & set(stem.targets(model).matched) else steps
+    convs = [c for c in stem.targets(model).payload if any(_inside(c, r) for r in regions)]
+    return [SpaceToDepth(pattern_for(model, convs)), *steps] if convs else steps
 
 
 def _effect_notes(effects: list[Effect], chosen: list[Effect], in_base: list[Effect], base_steps: tuple,

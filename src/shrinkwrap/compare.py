@@ -155,22 +155,50 @@ PROCESS_MARGIN = 2**30  # what a process holds beside its row's peak: its CUDA c
 
 def _compile_settings() -> dict:
     """What this process set that the compiler's caches key on and a spawned process would not
-    inherit: float32 matmul precision, deterministic algorithms, the default dtype, and inductor's
-    and AOTAutograd's configuration. Set elsewhere, a process compiles graphs that this one then
-    misses in the caches."""
+    inherit: matmul precision (:func:`_matmul_settings`), deterministic algorithms, the default
+    dtype, and inductor's and AOTAutograd's configuration. Set elsewhere, a process compiles graphs
+    that this one then misses in the caches."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    return {"matmul": (torch.get_float32_matmul_precision(), _fp32_precision()), "dtype": torch.get_default_dtype(),
+    return {"matmul": _matmul_settings(), "dtype": torch.get_default_dtype(),
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled()),
             "inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable()}
 
 
-def _fp32_precision() -> str | None:
-    """float32 matmuls' precision as torch keys its caches on it (``"none"`` until set; None on a
-    torch without the setting)."""
-    return getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+_REDUCED = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+
+
+def _matmul_settings() -> dict:
+    """CUDA matmuls' settings as inductor's cache keys them: float32 precision
+    (``torch.backends.cuda.matmul.fp32_precision``, ``"none"`` until set) and the reduced-precision
+    reductions, with the precision as the legacy API reads it (``"legacy"``), where this process
+    did not set it through the newer one (then that API raises on reading it)."""
+    matmul = torch.backends.cuda.matmul
+    out = {name: getattr(matmul, name) for name in ("fp32_precision", *_REDUCED) if hasattr(matmul, name)}
+    try:
+        out["legacy"] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "mix of the legacy and new APIs": this process uses the new one
+        pass
+    return out
+
+
+def _take_matmul_settings(settings: dict) -> None:
+    """Take ``settings`` (:func:`_matmul_settings`), each only where it differs, through the API
+    the process that sent them used. Setting float32 precision to the "highest" it already was
+    turns torch's cache key "none" into "ieee": on an H100 (torch 2.11, 2026-11-26) every graph a
+    process ahead compiled then missed the caches in the process that sent it."""
+    matmul, mine = torch.backends.cuda.matmul, _matmul_settings()
+    if "legacy" in settings:
+        precision = ("legacy", "fp32_precision")
+        if [mine.get(k) for k in precision] != [settings.get(k) for k in precision]:
+            torch.set_float32_matmul_precision(settings["legacy"])
+    elif "fp32_precision" in settings and matmul.fp32_precision != settings["fp32_precision"]:
+        matmul.fp32_precision = settings["fp32_precision"]
+    for name in _REDUCED:
+        if name in settings and getattr(matmul, name) != settings[name]:
+            setattr(matmul, name, settings[name])
 
 
 def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
@@ -181,11 +209,8 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    # Each set only where it differs from this process's own. Setting float32 matmul precision to
-    # the "highest" it already was turns torch's cache key "none" into "ieee": on an H100 (torch
-    # 2.11, 2026-11-26) every graph of the plan then missed the caches in the process that sent it.
-    if settings["matmul"] != (torch.get_float32_matmul_precision(), _fp32_precision()):
-        torch.set_float32_matmul_precision(settings["matmul"][0])
+    # Each set only where it differs from this process's own: see _take_matmul_settings.
+    _take_matmul_settings(settings["matmul"])
     if torch.get_default_dtype() != settings["dtype"]:
         torch.set_default_dtype(settings["dtype"])
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_memory_format, which dynamo traces
 
 from .. import _rewrite
 from .._tree import tree_map
@@ -197,7 +198,8 @@ class SpaceToDepthConv(TransparentWrapper):
 
     Wraps the convolution (names, ``state_dict`` and the weight object unchanged). The rearranged
     input is channels_last where the input is (cuDNN's tensor-core kernels read NHWC), contiguous
-    otherwise. An unbatched (3-D) input runs the convolution itself.
+    otherwise. An unbatched (3-D) input, or one with other than the convolution's input channels,
+    runs the convolution itself.
 
     Example::
 
@@ -208,14 +210,16 @@ class SpaceToDepthConv(TransparentWrapper):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.wrapped
-        if x.dim() != 4:
-            return conv(x)
+        if x.dim() != 4 or x.shape[1] != conv.in_channels:
+            return conv(x)  # unbatched, or a wrong input: the convolution's own result or error
         s = conv.stride[0]
         (kh, kw), (ph, pw) = conv.kernel_size, conv.padding
         kh2, kw2 = -(-kh // s) * s, -(-kw // s) * s
         oh, ow = (x.shape[2] + 2 * ph - kh) // s + 1, (x.shape[3] + 2 * pw - kw) // s + 1
         lh, lw = s * (oh - 1) + kh2, s * (ow - 1) + kw2  # the padded input's extent the kernels read
-        channels_last = x.is_contiguous(memory_format=CHANNELS_LAST) and not x.is_contiguous()
+        # The layout torch's convolution gives its output: channels_last where the input's or the
+        # weight's strides are (a 1-channel tensor is contiguous both ways: its strides decide).
+        channels_last = CHANNELS_LAST in (suggest_memory_format(x), suggest_memory_format(conv.weight))
         n, c = x.shape[:2]
         extra = -(c * s * s) % 8  # zero channels: tensor-core kernels take channels by eights
         # A negative pad crops: rows past the last window that the convolution never reads.
@@ -238,8 +242,12 @@ def _stem_conv(module: nn.Module, name: str) -> bool:
 
 def _space_to_depth_form(module: nn.Module) -> str:
     """Why ``module`` cannot be computed in the space-to-depth form ("" if it can)."""
-    if not isinstance(module, nn.Conv2d) or type(module).forward is not nn.Conv2d.forward:
-        return f"is {type(module).__name__}, not an nn.Conv2d with its own forward left as torch's"
+    kind = type(module)
+    if not isinstance(module, nn.Conv2d) or kind.forward is not nn.Conv2d.forward \
+            or kind._conv_forward is not nn.Conv2d._conv_forward:
+        # A subclass that changes the weight in its forward (weight standardisation, fake
+        # quantisation) would compute something else from the raw weight.
+        return f"is {kind.__module__}.{kind.__qualname__}, not an nn.Conv2d computing as torch's does"
     if _has_hooks(module):
         return "has hooks, which the wrapper would not run"
     s = tuple(module.stride)
@@ -262,11 +270,12 @@ class SpaceToDepth(Step):
             stride 2 over at most 4 input channels (resnet's ``conv1``, efficientnet's first
             convolution). A selected module that is no plain ``nn.Conv2d`` with a square stride
             of 2 or more, ``groups=1``, ``dilation=1`` and numeric zero padding is passed over,
-            with the reason, in ``shrinkwrap.records(model)``.
+            with the reason, in ``shrinkwrap.records(model)``; where none is left to rewrite, the
+            step raises ``SelectionError`` naming them.
 
     Exact, not bit for bit (float64 to ``rtol=1e-12`` in the tests); saves no memory. Put it
     before ``checkpoint(...)`` in a plan: a region over the convolution then recomputes the fast
-    form (a convolution already wrapped by a region is passed over). Pays with ``channels_last()``
+    form (a convolution already wrapped by a region is passed over, as above). Pays with ``channels_last()``
     (see the module docstring). Not an autoplan candidate of its own (its first stage measures
     each whole-model step alone, where this one runs contiguous and slower); autoplan's compile
     stage puts it in its budgeted form where that recomputes a stem convolution in channels_last.
