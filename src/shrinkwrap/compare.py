@@ -194,10 +194,10 @@ def _take_matmul_settings(settings: dict) -> None:
         precision = ("legacy", "fp32_precision")
         if [mine.get(k) for k in precision] != [settings.get(k) for k in precision]:
             torch.set_float32_matmul_precision(settings["legacy"])
-    elif "fp32_precision" in settings and matmul.fp32_precision != settings["fp32_precision"]:
+    elif "fp32_precision" in settings and mine.get("fp32_precision") != settings["fp32_precision"]:
         matmul.fp32_precision = settings["fp32_precision"]
     for name in _REDUCED:
-        if name in settings and getattr(matmul, name) != settings[name]:
+        if name in settings and mine.get(name) != settings[name]:
             setattr(matmul, name, settings[name])
 
 

@@ -26,9 +26,9 @@ the rearranged one, its channels zero-padded to a multiple of 8, runs faster (re
 channels_last, H200: forward 0.33 ms against 0.89, weight gradient 0.47 against 0.58;
 ``benchmarks/probes/conv1.py``). It pays most where the convolution runs twice, under a
 ``checkpoint('conv1')`` region. Exact, not bit for bit (the sums are added in another order);
-it saves no memory. The rearranged input takes the input's layout: a contiguous (NCHW) input
-stays contiguous, where the same probe measured the form slower (1.89 ms against 1.26), so use it
-with ``channels_last()``.
+it saves no memory. The rearranged input takes the layout torch's convolution would give its
+output: contiguous (NCHW) for a contiguous input and weight, where the same probe measured the
+form slower (1.89 ms against 1.26), so use it with ``channels_last()``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_memory_format, which dynamo traces
 
@@ -197,8 +196,8 @@ class SpaceToDepthConv(TransparentWrapper):
     kernel zero-padded to a multiple of s and rearranged alike. The same sums in another order.
 
     Wraps the convolution (names, ``state_dict`` and the weight object unchanged). The rearranged
-    input is channels_last where the input is (cuDNN's tensor-core kernels read NHWC), contiguous
-    otherwise. An unbatched (3-D) input, or one with other than the convolution's input channels,
+    input is channels_last where the input or the weight is (cuDNN's tensor-core kernels read
+    NHWC), as torch's convolution lays out its output; contiguous otherwise. An unbatched (3-D) input, or one with other than the convolution's input channels,
     runs the convolution itself.
 
     Example::
@@ -220,19 +219,21 @@ class SpaceToDepthConv(TransparentWrapper):
         # The layout torch's convolution gives its output: channels_last where the input's or the
         # weight's strides are (a 1-channel tensor is contiguous both ways: its strides decide).
         channels_last = CHANNELS_LAST in (suggest_memory_format(x), suggest_memory_format(conv.weight))
-        n, c = x.shape[:2]
-        extra = -(c * s * s) % 8  # zero channels: tensor-core kernels take channels by eights
         # A negative pad crops: rows past the last window that the convolution never reads.
         x = F.pad(x, (pw, lw - x.shape[3] - pw, ph, lh - x.shape[2] - ph))
-        x = x.reshape(n, c, lh // s, s, lw // s, s).permute(0, 1, 3, 5, 2, 4).reshape(n, c * s * s, lh // s, lw // s)
         w = F.pad(conv.weight, (0, kw2 - kw, 0, kh2 - kh))
-        o = w.shape[0]
-        w = w.reshape(o, c, kh2 // s, s, kw2 // s, s).permute(0, 1, 3, 5, 2, 4).reshape(o, c * s * s, kh2 // s, kw2 // s)
-        if extra:
-            x, w = F.pad(x, (0, 0, 0, 0, 0, extra)), F.pad(w, (0, 0, 0, 0, 0, extra))
-        if channels_last:
-            x, w = x.contiguous(memory_format=CHANNELS_LAST), w.contiguous(memory_format=CHANNELS_LAST)
-        return F.conv2d(x, w, conv.bias)
+        return F.conv2d(_space_to_depth(x, s, channels_last), _space_to_depth(w, s, channels_last), conv.bias)
+
+
+def _space_to_depth(t: torch.Tensor, s: int, channels_last: bool) -> torch.Tensor:
+    """``t`` (N, C, H, W; H and W multiples of ``s``) as (N, C*s*s, H/s, W/s), the s x s blocks'
+    pixels as channels, zero channels added up to a multiple of 8 (tensor-core kernels take
+    channels by eights). The input and the weight alike: the same channel order in both."""
+    n, c, h, w = t.shape
+    t = t.reshape(n, c, h // s, s, w // s, s).permute(0, 1, 3, 5, 2, 4).reshape(n, c * s * s, h // s, w // s)
+    extra = -(c * s * s) % 8
+    t = F.pad(t, (0, 0, 0, 0, 0, extra)) if extra else t
+    return t.contiguous(memory_format=CHANNELS_LAST) if channels_last else t
 
 
 def _stem_conv(module: nn.Module, name: str) -> bool:
