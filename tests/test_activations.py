@@ -456,7 +456,8 @@ def test_bn_act_keeps_state_dict_keys_reverts_and_is_idempotent():
     sw.apply_bn_act(model)
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
     fused = list(model)
-    assert isinstance(model[2], nn.Identity)
+    assert isinstance(model[1], sw.FusedBatchNormAct) and isinstance(model[2], sw.FusedActivation)
+    assert model[2].wrapped is originals[2]
     sw.apply_bn_act(model)
     assert list(model) == fused and sw.records(model)[-1].matched == ("1", "4", "7")
     sw.revert(model)

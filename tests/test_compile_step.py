@@ -125,7 +125,7 @@ def test_a_compiled_model_refuses_other_steps_until_reverted():
                   lambda: sw.apply(model, "compile(backend='aot_eager', fullgraph=True)")):
         with pytest.raises(ValueError, match=r"already has compile\(backend='aot_eager'\): compile goes last"):
             apply()
-    assert type(model.layer1).__name__ == "Block" and len(sw.records(model)) == 1
+    assert not isinstance(model.layer1, sw._wrapper.TransparentWrapper) and len(sw.records(model)) == 1
     sw.apply(model, "compile(backend='aot_eager')")  # the same step again: nothing to do
     assert len(sw.records(model)) == 1
     sw.revert(model)
@@ -139,7 +139,7 @@ def test_revert_removes_it():
     model(torch.randn(2, 3, 8, 8, dtype=torch.float64))
     sw.revert(model)
     assert model._compiled_call_impl is None and "_compiled_call_impl" not in model.__dict__
-    assert type(model.layer1).__name__ == "Block" and sw.records(model) == []
+    assert not isinstance(model.layer1, sw._wrapper.TransparentWrapper) and sw.records(model) == []
     counters.clear()
     model(torch.randn(2, 3, 8, 8, dtype=torch.float64))
     assert not counters["stats"]  # eager again: dynamo saw nothing
@@ -257,7 +257,7 @@ def test_a_pattern_over_a_container_or_a_chain_member_is_refused():
         sw.apply(container, "compile(pattern='1')")
     model = resnet64()
     sw.apply(model, "checkpoint('conv1|bn1|relu|maxpool', chain=True)")
-    with pytest.raises(ValueError, match=r"conv1 \(ChainMember\) is a member of a region over several sibling modules"):
+    with pytest.raises(ValueError, match=r"conv1 \(CheckpointChain\[Conv2d\]\) is a member of a region over several sibling modules"):
         sw.apply(model, "compile(backend='aot_eager', pattern='conv1|bn1')")
     assert _compiled_names(model) == []
     sw.apply(model, r"compile(backend='aot_eager', pattern=r'layer\d')")  # beside the chain: fine
@@ -281,7 +281,7 @@ def test_revert_names_a_region_compiled_again_by_hand():
     ({"memory_budget": 0.5, "backend": "aot_eager"}, ValueError, "would do nothing"),
     ({"mode": 3}, TypeError, "mode= a str or None; got int 3"),
     ({"fullgraph": None}, TypeError, "fullgraph= True or False; got None"),
-    ({"backend": len}, TypeError, "backend= a backend's name"),
+    ({"backend": len}, TypeError, "backend= a str; got the function len"),
     ({"mode": "layer1"}, ValueError, r"mode='layer1', which is no mode of inductor's .* compile\(pattern='layer1'\)"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, message):

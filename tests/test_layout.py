@@ -379,7 +379,7 @@ def test_space_to_depth_selects_the_stem_by_default_and_passes_over_what_it_cann
     with pytest.raises(SelectionError, match=r"no convolution to rewrite in Net \(no nn.Conv2d of stride 2"):
         sw.apply(net(), "space_to_depth()")  # its stem has stride 1
     model = sw.apply(resnet_toy(), "checkpoint('conv1')")
-    with pytest.raises(SelectionError, match=r"conv1 is wrapped already \(CheckpointModule\): put space_to_depth\(\) "
+    with pytest.raises(SelectionError, match=r"conv1 is wrapped already \(Checkpoint\[Conv2d\]\): put space_to_depth\(\) "
                                              r"before"):
         sw.apply(model, "space_to_depth()")
     model = resnet_toy()

@@ -38,7 +38,7 @@ def test_apply_accepts_plan_steps_and_text():
         ("checkpoint('layer1'", "cannot read plan"),
         ("frobnicate()", "unknown step 'frobnicate'"),
         ("checkpoint(nonexistent.Thing)", "neither a dtype nor an importable module type"),
-        ("checkpoint('a', bogus=1)", "bad arguments"),
+        ("checkpoint('a', bogus=1)", r"got an unexpected keyword argument 'bogus'; checkpoint\(\) takes"),
         ("1 + 2", "expected a step"),
     ],
 )

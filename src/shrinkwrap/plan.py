@@ -111,8 +111,8 @@ class Plan:
             kwargs = {k.arg: _value(k.value) for k in node.keywords if k.arg}
             try:
                 steps.append(step_cls(*args, **kwargs))
-            except TypeError as exc:
-                raise PlanError(f"shrinkwrap: bad arguments in {ast.unparse(node)!r}: {exc}") from None
+            except TypeError as exc:  # the step's own message, as a Python call gets it
+                raise PlanError(str(exc)) from None
         return cls(steps)
 
     def apply(self, model: nn.Module) -> nn.Module:

@@ -13,13 +13,14 @@ candidates. A new transform is one file under ``transforms/`` plus its export li
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
 from . import _rewrite
-from .select import require_module
+from .select import require_module, wrong
 
 _STEPS: dict[str, type["Step"]] = {}
 
@@ -107,11 +108,32 @@ class Step:
         if cls.__dict__.get("name"):
             _STEPS[cls.name] = cls
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Step":
+        # The call is checked against the fields before the dataclass's __init__ sees it, so that a
+        # misspelt or missing argument is a shrinkwrap error in Python as in a plan's text.
+        try:
+            inspect.signature(cls).bind(*args, **kwargs)
+        except TypeError as exc:
+            call = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            takes = ", ".join(f.name if f.default is dataclasses.MISSING else f"{f.name}={literal(f.default)}"
+                              for f in dataclasses.fields(cls))
+            raise TypeError(f"shrinkwrap: {cls.name}({call}): {exc}; {cls.name}() takes ({takes})") from None
+        return super().__new__(cls)
+
+    def __reduce__(self) -> tuple:
+        # Copies and pickles are made through the constructor, as the user made the step.
+        return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
     def __post_init__(self) -> None:
         # A list pattern becomes a tuple: steps are frozen and hashable.
         for f in dataclasses.fields(self):
             if isinstance(getattr(self, f.name), list):
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+        for f in dataclasses.fields(self):
+            what = _KINDS.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+            value = getattr(self, f.name)
+            if what is not None and not what[1](value):
+                raise TypeError(wrong(f"{self.name}()", f"{f.name}= {what[0]}", value))
 
     # -- what a step implements ----------------------------------------------------------------
     def targets(self, model: nn.Module) -> Targets:  # pragma: no cover - abstract
@@ -204,6 +226,25 @@ class Step:
             elif value != f.default:
                 parts.append(f"{f.name}={literal(value)}")
         return f"{self.name}({', '.join(parts)})"
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# The field annotations a step's arguments are checked against (the text of the annotation, as
+# `from __future__ import annotations` keeps it): what the message says it takes, and the check.
+# Patterns are checked by the selection (select.py); other fields by the step itself.
+_KINDS: dict[str, tuple[str, Any]] = {
+    "bool": ("True or False", lambda v: isinstance(v, bool)),
+    "bool | None": ("True, False or None", lambda v: v is None or isinstance(v, bool)),
+    "int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float | None": ("a number or None", lambda v: v is None or _number(v)),
+    "str": ("a str", lambda v: isinstance(v, str)),
+    "str | None": ("a str or None", lambda v: v is None or isinstance(v, str)),
+    "torch.dtype": ("a torch dtype (torch.bfloat16, torch.float16)", lambda v: isinstance(v, torch.dtype)),
+    "tuple[str, ...]": ("a tuple of str", lambda v: isinstance(v, tuple) and all(isinstance(s, str) for s in v)),
+}
 
 
 def registered() -> list[type[Step]]:

@@ -18,7 +18,8 @@ normalisation and activation in backward: one activation-sized tensor fewer per 
 
 from __future__ import annotations
 
-__all__ = ['Swish', 'BnAct', 'MemoryEfficientSwish', 'FusedBatchNormAct', 'apply_swish', 'apply_bn_act']
+__all__ = ['Swish', 'BnAct', 'MemoryEfficientSwish', 'FusedBatchNormAct', 'FusedActivation', 'apply_swish',
+           'apply_bn_act']
 
 import dataclasses
 import functools
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .. import _rewrite
-from .._wrapper import TransparentWrapper, unwrap
+from .._wrapper import TRACED_REGIONS, TransparentWrapper, functorch_level, has_hooks, unwrap
 from ..select import Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets
 
@@ -76,7 +77,8 @@ class MemoryEfficientSwish(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Compiled, plain SiLU is what the compiler fuses best, and it saves only x already.
-        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        # torch.func transforms take no autograd Function without setup_context: plain SiLU there.
+        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling() and not functorch_level():
             return _SwishFunction.apply(x)
         return F.silu(x)
 
@@ -131,13 +133,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks
-        or module._backward_hooks or module._backward_pre_hooks
-    )
 
 
 def _native_kind(module: nn.Module) -> str | None:
@@ -223,7 +218,7 @@ def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device
         return None, "is a container or a shrinkwrap wrapper"
     if _has_state(module):
         return None, "has parameters or buffers (state); shrinkwrap never replaces a module with state"
-    if _has_hooks(module):
+    if has_hooks(module):
         return None, "has hooks, which a replacement would drop"
     return _probe(module, dtype, device, inplace_ok)
 
@@ -350,26 +345,27 @@ def apply_swish(model: nn.Module, pattern: Pattern | None = None, *, include_sil
 # BatchNorm + activation recompute
 # --------------------------------------------------------------------------------------------
 
-# kind -> (forward on the BatchNorm output, which the op owns and may overwrite;
+# kind -> (the activation of z with its parameter, in place (over the BatchNorm output, which the
+#          op owns) or not (differentiable, for a second backward);
 #          backward from the recomputed BatchNorm output). Native kernels only: each is one pass.
 _ACTS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
-    "relu": (lambda z, p: torch.relu_(z), lambda g, z, p: aten.threshold_backward(g, z, 0)),
-    "hardtanh": (lambda z, p: F.hardtanh(z, *p, inplace=True), lambda g, z, p: aten.hardtanh_backward(g, z, *p)),
+    "relu": (lambda z, p, i: F.relu(z, inplace=i), lambda g, z, p: aten.threshold_backward(g, z, 0)),
+    "hardtanh": (lambda z, p, i: F.hardtanh(z, *p, inplace=i), lambda g, z, p: aten.hardtanh_backward(g, z, *p)),
     "leaky_relu": (
-        lambda z, p: F.leaky_relu(z, p, inplace=True),
+        lambda z, p, i: F.leaky_relu(z, p, inplace=i),
         lambda g, z, p: aten.leaky_relu_backward(g, z, p, False),
     ),
-    "gelu": (lambda z, p: F.gelu(z, approximate=p), lambda g, z, p: aten.gelu_backward(g, z, approximate=p)),
-    "swish": (lambda z, p: F.silu(z, inplace=True), lambda g, z, p: aten.silu_backward(g, z)),
-    "mish": (lambda z, p: F.mish(z, inplace=True), lambda g, z, p: aten.mish_backward(g, z)),
-    "hardswish": (lambda z, p: F.hardswish(z, inplace=True), lambda g, z, p: aten.hardswish_backward(g, z)),
+    "gelu": (lambda z, p, i: F.gelu(z, approximate=p), lambda g, z, p: aten.gelu_backward(g, z, approximate=p)),
+    "swish": (lambda z, p, i: F.silu(z, inplace=i), lambda g, z, p: aten.silu_backward(g, z)),
+    "mish": (lambda z, p, i: F.mish(z, inplace=i), lambda g, z, p: aten.mish_backward(g, z)),
+    "hardswish": (lambda z, p, i: F.hardswish(z, inplace=i), lambda g, z, p: aten.hardswish_backward(g, z)),
 }
 
 
 def _act_spec(module: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[tuple | None, str]:
     """``((kind, param), "")`` for an elementwise activation :data:`_ACTS` can run, else ``(None, why)``."""
     t = type(module)
-    if _has_hooks(module):
+    if has_hooks(module):
         return None, f"is followed by {t.__name__}, which has hooks the fused op would not run"
     if t is nn.ReLU:
         return ("relu", None), ""
@@ -406,12 +402,13 @@ class _BatchNormActFunction(torch.autograd.Function):
         # Plain attributes, not saved tensors: the running stats change in place at every forward.
         ctx.running = (running_mean, running_var)
         ctx.eps, ctx.act = eps, act
-        return _ACTS[act[0]][0](z, act[1])
+        return _ACTS[act[0]][0](z, act[1], True)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         x, weight, bias, mean, invstd, reserve = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _BatchNormActFunction._differentiable(ctx, grad, x, weight, bias)
         shape = (1, -1) + (1,) * (x.dim() - 2)
         # z = (x - mean) * invstd * weight + bias as one addcmul: z = x * scale + shift.
         scale = invstd if weight is None else invstd * weight
@@ -427,53 +424,128 @@ class _BatchNormActFunction(torch.autograd.Function):
             gx, gw, gb = aten.native_batch_norm_backward(grad_z, x, None, rm, rv, mean, invstd, True, ctx.eps, mask)
         return gx, gw, gb, None, None, None, None, None
 
+    @staticmethod
+    def _differentiable(ctx: Any, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                        bias: torch.Tensor | None) -> tuple:
+        """The backward under ``create_graph=True`` (a gradient penalty): the forward recomputed
+        with differentiable ops (the batch statistics, no running-statistics update) and
+        differentiated, so the gradients carry a graph of their own. Equal to the fused kernels'
+        to rounding."""
+        inputs = [(i, t) for i, t in enumerate((x, weight, bias)) if t is not None and ctx.needs_input_grad[i]]
+        z = F.batch_norm(x, None, None, weight, bias, training=True, eps=ctx.eps)
+        y = _ACTS[ctx.act[0]][0](z, ctx.act[1], False)
+        grads = torch.autograd.grad(y, [t for _, t in inputs], grad, create_graph=True, allow_unused=True)
+        out: list[torch.Tensor | None] = [None] * 8
+        for (i, _), g in zip(inputs, grads):
+            out[i] = g
+        return tuple(out)
+
+
+class _Pair:
+    """What a fused BatchNorm and the activation after it share: where the activation stands (its
+    parent's ``_modules`` and its key), the wrapper standing there, and the output the BatchNorm
+    handed over (already activated), until the activation takes it."""
+
+    def __init__(self, slot: dict, key: str, act: "FusedActivation") -> None:
+        self.slot, self.key, self.act = slot, key, act
+        self.out: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "out": None}  # a copy starts between forwards
+
+    def intact(self) -> bool:
+        """Whether the activation still stands where it was, hook-free: a tool that replaced it
+        (with another activation, say) or hooked it gets the two run apart."""
+        return self.slot.get(self.key) is self.act and not has_hooks(self.act.wrapped)
+
+
+class FusedActivation(TransparentWrapper):
+    """The activation after a fused BatchNorm (see :class:`FusedBatchNormAct`): it returns the
+    BatchNorm's output unchanged where that output is the one the fused op handed over (already
+    activated), and runs the activation on anything else (the output of a BatchNorm a tool put in
+    place of the fused one, ``SyncBatchNorm.convert_sync_batchnorm`` say). Names, and
+    ``isinstance`` of the activation's class, unchanged."""
+
+    label = "FusedActivation"
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self._sw_pair: _Pair | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = self._sw_pair
+        if pair is not None and not (torch.compiler.is_compiling() and TRACED_REGIONS[0]):
+            given, pair.out = pair.out, None
+            if given is not None and x is given:
+                return x
+        return self.wrapped(x)
+
 
 class FusedBatchNormAct(TransparentWrapper):
     """A BatchNorm and the activation after it as one op that keeps only the BatchNorm input.
 
-    Wraps the original BatchNorm (names, parameters and buffers unchanged). ``act`` is the
-    activation module that followed it in an ``nn.Sequential`` (its slot there becomes
-    ``nn.Identity``), or ``None`` for a timm-style ``BatchNormAct2d``, whose own ``act`` child is
-    used. In training mode with gradients, the output, the gradients and the running statistics
-    (momentum, cumulative average for ``momentum=None``, unbiased running variance,
-    ``num_batches_tracked``) are the unfused modules' up to rounding: the backward recomputes the
-    BatchNorm output in a different order of operations, so it is not bit-for-bit. In eval mode,
-    under ``no_grad``, or when nothing needs a gradient, it runs the original modules unchanged.
+    Wraps the original BatchNorm (names, parameters and buffers unchanged). The activation that
+    followed it in an ``nn.Sequential`` stays in its slot, wrapped in a :class:`FusedActivation`
+    that passes the fused output through; for a timm-style ``BatchNormAct2d`` the activation is
+    its own ``act`` child. In training mode with gradients, the output, the gradients and the
+    running statistics (momentum, cumulative average for ``momentum=None``, unbiased running
+    variance, ``num_batches_tracked``) are the unfused modules' up to rounding: the backward
+    recomputes the BatchNorm output in a different order of operations, so it is not bit-for-bit.
+    A second backward (``create_graph=True``) differentiates the recomputed forward, to rounding.
+
+    The two run apart, each its own module, exactly: in eval mode, under ``no_grad``, when nothing
+    needs a gradient, under a ``torch.func`` transform, where the BatchNorm or the activation has
+    hooks, and where the activation's slot no longer holds its wrapper (a tool replaced it).
 
     Example::
 
         >>> seq = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU())
-        >>> apply_bn_act(seq)   # seq[1] is FusedBatchNormAct[BatchNorm2d], seq[2] nn.Identity
+        >>> apply_bn_act(seq)   # seq[1] is FusedBatchNormAct[BatchNorm2d], seq[2] FusedActivation[SiLU]
+        >>> isinstance(seq[1], nn.BatchNorm2d), isinstance(seq[2], nn.SiLU)
+        (True, True)
     """
 
     label = "FusedBatchNormAct"
 
-    def __init__(self, bn: nn.Module, act: nn.Module | None, spec: tuple) -> None:
+    def __init__(self, bn: nn.Module, pair: _Pair | None, spec: tuple) -> None:
         super().__init__(bn)
         # Outside the module tree, so no name changes; the activation is stateless (checked).
-        object.__setattr__(self, "_sw_act", act)
+        object.__setattr__(self, "_sw_pair", pair)
         object.__setattr__(self, "_sw_spec", spec)
 
     def extra_repr(self) -> str:
-        act = self._sw_act if self._sw_act is not None else self.wrapped.act
+        act = self._sw_pair.act.wrapped if self._sw_pair is not None else self.wrapped.act
         return f"{self.wrapped.extra_repr()}, act={act!r}"
 
-    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.wrapped(x)  # a timm BatchNormAct2d runs its own act
-        return self._sw_act(y) if self._sw_act is not None else y
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """BatchNorm and activation: the act wrapper's module, or a timm BatchNormAct2d's own."""
+        y = self.wrapped(x)
+        return self._sw_pair.act.wrapped(y) if self._sw_pair is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bn = self.wrapped
+        bn, pair = self.wrapped, self._sw_pair
         batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or any(p is not None and p.requires_grad for p in (bn.weight, bn.bias))
         )
-        if not (batch_stats and needs_grad):
-            return self._unfused(x)
+        if not (batch_stats and needs_grad) or has_hooks(bn) or (pair is not None and not pair.intact()):
+            return bn(x)  # apart: the activation's slot runs the activation on it
+        if torch.compiler.is_compiling() and TRACED_REGIONS[0] and pair is not None:
+            return bn(x)  # inside a checkpoint region, which recomputes both: no hand-over to trace
         if torch.compiler.is_compiling():
             # The compiler's form of the same saving: a recompute region it fuses into its backward
             # kernels (an opaque autograd.Function would keep it from fusing anything around it).
-            return checkpoint(self._unfused, x, use_reentrant=False)
+            y = checkpoint(self._fused, x, use_reentrant=False)
+        elif functorch_level():
+            return bn(x)  # torch.func takes no autograd Function without setup_context
+        else:
+            y = self._fused_op(x)
+        if pair is not None:
+            pair.out = y
+        return y
+
+    def _fused_op(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.wrapped
         if hasattr(bn, "_check_input_dim"):
             bn._check_input_dim(x)
         F._verify_batch_size(x.size())
@@ -532,7 +604,7 @@ class BnAct(_WholeModelStep):
             act_name, why = None, ""
             if not isinstance(module, nn.modules.batchnorm._BatchNorm):
                 why = "is not a BatchNorm"
-            elif _has_hooks(module):
+            elif has_hooks(module):
                 why = "has hooks, which the fused op would not run"
             elif isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
                 why = "is a lazy BatchNorm not yet initialised; run one forward first"
@@ -570,9 +642,14 @@ class BnAct(_WholeModelStep):
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         fuse = targets.payload
-        acts = {bn: model.get_submodule(a) if a else None for bn, (a, _) in fuse.items()}
-        undo = _rewrite.replace(model, [a for a, _ in fuse.values() if a], lambda n, m: nn.Identity())
-        undo += _rewrite.replace(model, list(fuse), lambda n, m: FusedBatchNormAct(m, acts[n], fuse[n][1]))
+        undo = _rewrite.replace(model, [a for a, _ in fuse.values() if a], lambda n, m: FusedActivation(m))
+        pairs = {}
+        for bn, (a, _) in fuse.items():
+            if a:
+                parent, _, key = a.rpartition(".")
+                act = model.get_submodule(a)
+                pairs[bn] = act._sw_pair = _Pair(_rewrite.get_module(model, parent)._modules, key, act)
+        undo += _rewrite.replace(model, list(fuse), lambda n, m: FusedBatchNormAct(m, pairs.get(n), fuse[n][1]))
         return undo
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..select import Pattern, SelectionError, compiled_how, select, wrong
+from ..select import Pattern, SelectionError, compiled_how, select
 from ..step import Step, Targets, _inside, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
@@ -151,15 +151,7 @@ class Compile(Step):
     pattern: Pattern | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        for field, value, kinds, what in (
-            ("mode", self.mode, (str, type(None)), "a str or None"),
-            ("fullgraph", self.fullgraph, (bool,), "True or False"),
-            ("dynamic", self.dynamic, (bool, type(None)), "True, False or None"),
-            ("backend", self.backend, (str,), "a backend's name, a str"),
-        ):
-            if not isinstance(value, kinds):
-                raise TypeError(wrong("compile()", f"{field}= {what}", value))
+        super().__post_init__()  # the types of mode, fullgraph, dynamic, backend, memory_budget
         # Every other step takes its pattern first: compile('layer1') would be a mode, which
         # inductor refuses late and other backends ignore.
         if self.mode is not None and self.backend == "inductor" and self.mode not in _MODES:
@@ -173,8 +165,6 @@ class Compile(Step):
                 )
         budget = self.memory_budget
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-                raise TypeError(wrong("compile()", "memory_budget= a float in (0, 1] or None", budget))
             if not 0 < budget <= 1:
                 raise ValueError(f"shrinkwrap: compile() takes memory_budget= a float in (0, 1] or None; got {budget!r}")
             if self.backend in _NO_BUDGET:
@@ -206,7 +196,7 @@ class Compile(Step):
         by_hand = {n: how for n, m in model.named_modules() if (how := compiled_how(m))}
         for name in names:
             module = model.get_submodule(name)
-            what = f"{name or type(model).__name__} ({type(module).__name__})"
+            what = f"{name or type(model).__name__} ({module._get_name()})"
             # A selected module or one above it: compiling inside a compiled module would compile
             # twice, one graph nested in the other.
             compiled = [n for n in by_hand if _inside(name, n)]

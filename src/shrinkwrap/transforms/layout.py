@@ -46,10 +46,9 @@ from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_
 
 from .. import _rewrite
 from .._tree import tree_map
-from .._wrapper import TransparentWrapper
+from .._wrapper import TransparentWrapper, has_hooks
 from ..select import Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets, applied_steps
-from .activations import _has_hooks
 
 CHANNELS_LAST = torch.channels_last
 
@@ -209,8 +208,10 @@ class SpaceToDepthConv(TransparentWrapper):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.wrapped
-        if x.dim() != 4 or x.shape[1] != conv.in_channels:
-            return conv(x)  # unbatched, or a wrong input: the convolution's own result or error
+        if x.dim() != 4 or x.shape[1] != conv.in_channels or has_hooks(conv):
+            # Unbatched, or a wrong input: the convolution's own result or error. Hooked (after the
+            # plan): the convolution itself, whose call runs them.
+            return conv(x)
         s = conv.stride[0]
         (kh, kw), (ph, pw) = conv.kernel_size, conv.padding
         kh2, kw2 = -(-kh // s) * s, -(-kw // s) * s
@@ -249,7 +250,7 @@ def _space_to_depth_form(module: nn.Module) -> str:
         # A subclass that changes the weight in its forward (weight standardisation, fake
         # quantisation) would compute something else from the raw weight.
         return f"is {kind.__module__}.{kind.__qualname__}, not an nn.Conv2d computing as torch's does"
-    if _has_hooks(module):
+    if has_hooks(module):
         return "has hooks, which the wrapper would not run"
     s = tuple(module.stride)
     if s[0] != s[1] or s[0] < 2:
@@ -301,7 +302,7 @@ class SpaceToDepth(Step):
             if isinstance(module, SpaceToDepthConv):
                 done.append(name)
             elif isinstance(module, TransparentWrapper):
-                skipped.append((name, f"is wrapped already ({type(module).__name__}): put space_to_depth() "
+                skipped.append((name, f"is wrapped already ({module._get_name()}): put space_to_depth() "
                                       "before the step that wrapped it in the plan"))
             else:
                 why = _space_to_depth_form(module)

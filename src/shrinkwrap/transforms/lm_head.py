@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import _rewrite
+from .._wrapper import functorch_level, has_hooks
 from ..select import SelectionError, require_module
 from ..step import Candidate, Context, Step, Targets, applied_steps
 
@@ -169,6 +170,13 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        if torch.is_grad_enabled():
+            # Second derivatives would come out zero, not wrong by rounding: refused.
+            raise RuntimeError(
+                "shrinkwrap: chunked_loss() computes the head's gradients in the forward, as numbers with no "
+                "graph, so backward with create_graph=True (a gradient penalty) cannot differentiate them again. "
+                "Compute this loss from the logits: call the model without labels and apply the loss yourself, "
+                "or revert the plan (shrinkwrap.revert(model)).")
         wide = grad_out.to(torch.promote_types(grad_out.dtype, torch.float32))
         scaled = [(g * wide).to(d) if g is not None else None for g, d in zip(ctx.saved_tensors, ctx.dtypes)]
         return (*scaled, None, None, None, None, None, None, None)
@@ -206,6 +214,23 @@ class _Forward:
 
     softcap: bool = False
     router: str | None = None
+
+
+def head_problem(head: Any) -> str:
+    """Why the chunked loss cannot compute ``head``'s logits from its weight and bias ("" if it
+    can): the head must be a plain ``nn.Linear``, whose forward is ``linear(x, weight, bias)``, with
+    no hooks. A subclass or a layer standing for one (a PEFT LoRA ``Linear``, a quantized linear,
+    a shrinkwrap wrapper) computes something else, which reading the weight would bypass."""
+    if head is None:
+        return "it has no lm_head"
+    kind = type(head)
+    where = f"{kind.__module__}.{kind.__qualname__}"
+    if not isinstance(head, nn.Linear) or kind.forward is not nn.Linear.forward:
+        return (f"its lm_head is {where}, not a plain torch.nn.Linear: the chunked loss reads the head's weight and "
+                f"bias, and would bypass that module's forward (a LoRA adapter on the head would get no gradient)")
+    if has_hooks(head):
+        return "its lm_head has hooks, which the chunked loss would not run (it reads the head's weight)"
+    return ""
 
 
 def _read_forward(model: nn.Module) -> _Forward:
@@ -405,8 +430,14 @@ class _ChunkedLossForward(_rewrite.RootForward):
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 extra = named.pop(p.name, {})
         labels, keep = named.get("labels"), named.get("logits_to_keep", 0)
-        if not model.training or labels is None or not (isinstance(keep, int) and keep == 0):
+        # Under a torch.func transform the model's own loss: _HeadLoss has no setup_context.
+        if not model.training or labels is None or not (isinstance(keep, int) and keep == 0) or functorch_level():
             return self.inner(*args, **kwargs)
+        why = head_problem(model.lm_head)
+        if why:
+            raise ValueError(f"shrinkwrap: chunked_loss() on {type(model).__name__}: {why}. Leave the head out of "
+                             f"what changes it (a PEFT adapter's target_modules), or revert chunked_loss() first "
+                             f"(shrinkwrap.revert(model)).")
         named.pop("labels")
         named.pop("logits_to_keep", None)
         if self.router:
@@ -519,11 +550,13 @@ class ChunkedLoss(Step):
                                      f"Call shrinkwrap.revert(model) first.")
                 return Targets()  # applied already
         head, base, config = (getattr(model, a, None) for a in ("lm_head", "base_model", "config"))
-        if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model or config is None:
+        why = head_problem(head)
+        if why or not isinstance(base, nn.Module) or base is model or config is None:
+            has = why or (f"its base_model is {type(base).__name__}" if config is not None else "it has no config")
             raise SelectionError(
                 f"shrinkwrap: chunked_loss() needs a causal language model with an nn.Linear `lm_head`, a base "
-                f"model (`base_model`) under it and a `config`, as Hugging Face's *ForCausalLM have; {what} has "
-                f"lm_head={type(head).__name__}. Leave chunked_loss() out of the plan for it.")
+                f"model (`base_model`) under it and a `config`, as Hugging Face's *ForCausalLM have; in {what}, "
+                f"{has}. Leave chunked_loss() out of the plan for it.")
         if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
             raise SelectionError(
                 f"shrinkwrap: chunked_loss() computes Hugging Face's causal LM loss, but {what} has "

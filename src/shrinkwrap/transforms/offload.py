@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 from .. import _rewrite
-from .._wrapper import TransparentWrapper
+from .._wrapper import TransparentWrapper, refuse_functorch
 from ..select import Pattern, block_groups, require_module
 from ..step import Step, Targets
 
@@ -217,6 +217,7 @@ class OffloadModule(TransparentWrapper):
         inner = self.wrapped
         if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _in_checkpoint():
             return inner(*args, **kwargs)
+        refuse_functorch(f"offloaded module {self._sw_name!r}", "offload moves what the module saves for backward")
         own = {t.untyped_storage().data_ptr() for t in (*inner.parameters(), *inner.buffers())}
         held: list[_Held] = []
         reached = [False]
@@ -298,6 +299,12 @@ class Offload(Step):
     min_bytes: int = MiB
     keep_last: bool = True
     devices: tuple[str, ...] = ("cuda",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_bytes < 0:
+            raise ValueError(f"shrinkwrap: offload(min_bytes={self.min_bytes!r}): min_bytes is the size in bytes "
+                             f"under which a saved tensor stays on the device, 0 or more (default {MiB}, 1 MiB)")
 
     def targets(self, model: nn.Module) -> Targets:
         pattern = self.pattern if self.pattern is not None else _blocks(model)

@@ -13,7 +13,8 @@ autocast to 2e-2 (``torch.linalg.norm(out - ref) / torch.linalg.norm(ref)``).
   (Hugging Face with ``labels``): then only the loss is, and the logits stay in ``dtype``.
 - :class:`Half` (``half(dtype, keep=...)``) casts parameters and buffers to ``dtype`` in place
   (the "brute force" ``model.half()``), except the modules ``keep`` selects (normalisation
-  layers by default), which stay float32 behind a ``KeepFloat`` wrapper.
+  layers by default), which compute in float32 behind a ``KeepFloat`` wrapper (cast up to it
+  where the model was loaded in a half dtype).
 
 ``autocast(d)`` and ``half(d)`` of the same dtype compose: parameters are stored in ``d``, and
 autocast still runs the ops it keeps in float32 (softmax, losses, norms) in float32 and returns
@@ -345,8 +346,9 @@ class Recast:
 @dataclasses.dataclass(frozen=True)
 class Half(Step):
     """Step: cast floating parameters and buffers to ``dtype`` in place, except inside the modules
-    ``keep`` selects (None: :func:`is_norm`; ``()``: none), which stay in their dtype behind a
-    :class:`KeepFloatModule`. Floating inputs to the model are cast to ``dtype``; integer inputs
+    ``keep`` selects (None: :func:`is_norm`; ``()``: none), which stay in float32 (or the wider
+    dtype they have) behind a :class:`KeepFloatModule`; in a model loaded in a half dtype they
+    are cast up to float32. Floating inputs to the model are cast to ``dtype``; integer inputs
     (token ids) are left alone; outputs come out in ``dtype``.
 
     The Parameter objects stay the same (their ``.data`` is cast), so an optimizer built before
@@ -398,9 +400,11 @@ class Half(Step):
         before = Recast({}, {})
         for named, dtypes in ((model.named_parameters(), before.parameters), (model.named_buffers(), before.buffers)):
             for name, t in named:
-                if t.is_floating_point() and id(t) not in stay and t.dtype != self.dtype:
+                # The kept modules compute in float32, also in a model that was loaded in a half dtype.
+                want = (torch.float32 if t.dtype in HALF_DTYPES else t.dtype) if id(t) in stay else self.dtype
+                if t.is_floating_point() and t.dtype != want:
                     dtypes[name] = t.dtype
-                    _set_dtype(t, self.dtype)
+                    _set_dtype(t, want)
         undo: list[Any] = [before]
         undo += _rewrite.replace(model, kept, lambda n, m: KeepFloatModule(m, self.dtype))
         undo.append(_rewrite.change_root(model, "Half", _CastInputs(model, self.dtype)))

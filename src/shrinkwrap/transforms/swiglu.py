@@ -28,10 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import _rewrite
-from .._wrapper import TransparentWrapper
+from .._wrapper import TransparentWrapper, functorch_level, has_hooks
 from ..select import Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets
-from .activations import _activation_kind, _has_hooks
+from .activations import _activation_kind
 
 aten = torch.ops.aten
 _PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -84,7 +84,10 @@ class MemoryEfficientSwiGLU(TransparentWrapper):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         mlp = self.wrapped
-        if args or kwargs or not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        # torch.func takes no autograd Function without setup_context; hooks registered on the MLP
+        # after the plan run with its own call.
+        if args or kwargs or not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() \
+                or functorch_level() or has_hooks(mlp):
             return mlp(x, *args, **kwargs)
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         if not (gate.requires_grad or up.requires_grad):
@@ -96,14 +99,14 @@ def _gated_mlp(module: nn.Module) -> str:
     """Why ``module`` cannot be wrapped ("" if it can): it must compute
     ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU ``act_fn``, checked on a probe input
     in training mode (dropout inside would make it differ), and have no hooks of its own."""
-    if _has_hooks(module):
+    if has_hooks(module):
         return "has hooks, which the wrapper would not run"
     weight = next((p for p in module.gate_proj.parameters() if p.is_floating_point()), None)
     features = getattr(module.gate_proj, "in_features", None)
     if weight is None or features is None or weight.device.type == "meta":
         return "its gate_proj has no floating-point weight with in_features to probe it with"
     act = module.act_fn
-    if _activation_kind(act, weight.dtype, weight.device)[0] != "swish" or _has_hooks(act):
+    if _activation_kind(act, weight.dtype, weight.device)[0] != "swish" or has_hooks(act):
         return f"its act_fn is {type(act).__name__}, not SiLU: only SiLU-gated MLPs are fused"
     # Rows at growing scales: a clamp of the gate or the product (DeepseekV4's swiglu_limit) is
     # reached by the large ones, where freshly initialised weights keep small inputs far below it.
