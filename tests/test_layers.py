@@ -17,6 +17,8 @@ LAYERS = [
     {"plan"},
     {"measure", "parallel"},  # parallel: shard or replicate a model to measure, start the ranks
     {"report"},
+    {"processes"},  # fresh processes: a row's, a plan compiled ahead, a fit probe
+    {"fit"},
     {"compare"},
     {"autoplan"},
     {"cli", "__main__"},

@@ -371,7 +371,8 @@ def test_restored_gives_gradients_back_without_holding_them_meanwhile():
 
 
 def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_closed():
-    from shrinkwrap.compare import FreshProcesses, measure_plans
+    from shrinkwrap.compare import measure_plans
+    from shrinkwrap.processes import FreshProcesses
     from shrinkwrap.measure.step import Options
 
     before = {c.pid for c in multiprocessing.active_children()}
@@ -404,7 +405,7 @@ class _Recording:
 
 
 def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_side(tmp_path):
-    from shrinkwrap.compare import compile_ahead
+    from shrinkwrap.processes import compile_ahead
     from shrinkwrap.measure.step import Options
 
     log = tmp_path / "steps"
@@ -436,10 +437,10 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     settings no other test has touched; a setting that differs is still taken."""
     code = """if True:
         import torch, torch.nn as nn
-        from shrinkwrap.compare import _compile_settings, _first_steps
+        from shrinkwrap.processes import compile_settings, _first_steps
         from shrinkwrap.measure.step import Options
         from shrinkwrap.plan import Plan
-        settings = _compile_settings()
+        settings = compile_settings()
         before = torch.backends.cuda.matmul.fp32_precision
         assert _first_steps(lambda: nn.Linear(4, 2), Plan(), torch.randn(3, 4), Options(device="cpu", warmup=1), settings) is None
         print(before, torch.backends.cuda.matmul.fp32_precision, end=" ")
@@ -454,15 +455,15 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     # raises): it is sent, and taken, as that API's setting.
     code = """if True:
         import torch
-        from shrinkwrap.compare import _compile_settings, _take_matmul_settings
+        from shrinkwrap.processes import compile_settings, _take_matmul_settings
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        print(_compile_settings()["matmul"])
+        print(compile_settings()["matmul"])
     """
     sent = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert "legacy" not in sent and sent["fp32_precision"] == "tf32"
     code = f"""if True:
         import torch
-        from shrinkwrap.compare import _take_matmul_settings
+        from shrinkwrap.processes import _take_matmul_settings
         _take_matmul_settings({sent!r})
         print(torch.backends.cuda.matmul.fp32_precision)
     """
@@ -473,7 +474,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
 def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
 
-    from shrinkwrap.compare import compile_ahead
+    from shrinkwrap.processes import compile_ahead
     from shrinkwrap.measure.step import Options
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold for this test; the processes inherit it
@@ -497,7 +498,7 @@ def test_a_process_started_ahead_imports_the_modules_of_the_models_classes_and_n
         tmp_path, monkeypatch):
     import sys
 
-    from shrinkwrap.compare import _ready
+    from shrinkwrap.processes import _ready
 
     (tmp_path / "shrinkwrap_test_models_xyz.py").write_text("LOADED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -527,7 +528,7 @@ class _Tied(nn.Module):
 
 
 def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
-    from shrinkwrap.compare import _Copies
+    from shrinkwrap.processes import _Copies
 
     original = _Tied()
     original.norm.running_mean.add_(1.0)
@@ -543,7 +544,7 @@ def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
 
 
 def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
-    from shrinkwrap.compare import _Copies
+    from shrinkwrap.processes import _Copies
 
     original = nn.Linear(4, 4)
     original.register_buffer("table", torch.zeros(3, 4))

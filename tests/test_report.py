@@ -23,6 +23,7 @@ ROW_KEYS = {
     "parameters_mib", "gradients_mib", "optimizer_state_mib", "batch_mib", "breakdown", "phases",
     "top_modules", "timeline_probe", "timeline", "snapshot", "role", "round", "batch_size", "fits",
     "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib", "rank", "ranks",
+    "fit_mib", "fit_below_mib", "fit_resolution_mib", "fit_iterations", "trained_under_mib",
 }
 
 

@@ -9,12 +9,13 @@ Example::
 """
 
 # The package's face: everything public, imported from the layers below (select -> _rewrite ->
-# step -> transforms -> plan -> measure -> report -> compare -> autoplan -> cli); no module of
+# step -> transforms -> plan -> measure -> report -> processes -> fit -> compare -> autoplan -> cli); no module of
 # the package imports this one.
 from . import transforms
 from ._rewrite import records, revert
 from .autoplan import autoplan
 from .compare import plan_report
+from .fit import Fit, Probe, fit, trains_under
 from .measure import (Event, ModuleLog, Options, Phase, Profile, SavedTensors, Timing, measure, saved_tensor_bytes,
                       time_interleaved)
 from .plan import Plan, PlanError, apply
@@ -31,7 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
     "measure", "Options", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
-    "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan",
+    "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan", "fit", "trains_under", "Fit",
+    "Probe",
     *transforms.__all__,
     *(_cls.name for _cls in registered()),
 ]

@@ -29,6 +29,10 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       breakdown {parameters_mib, gradients_mib, optimizer_state_mib, batch_mib, activations_other_mib}
         (the steady-state peak; {} without CUDA),
       phases {first[], steady[]} of {phase, allocated_mib, peak_mib} (CUDA; [] without),
+      fit_mib (the smallest allocator cap under which the row's plan trained its first fit_iterations
+        iterations, found by training it: shrinkwrap.fit; null where not tested), fit_below_mib (the
+        largest cap under which it did not), fit_resolution_mib, fit_iterations,
+        trained_under_mib (a cap the row's plan was trained under to check a budget, or null),
       top_modules[] ({module, mib}: what each module's forward added and kept, largest first),
       timeline_probe ("allocated" | "saved_for_backward"), timeline[] ({module, event, mib}),
       snapshot (path of the CUDA memory snapshot, or null),
@@ -77,6 +81,8 @@ class Row:
     ``"candidate"`` (autoplan), ``"chosen"`` (autoplan's verification ``round``), ``"compiled"``
     (autoplan's ``compile`` stage) or ``"batch"``
     (``maximize="batch"``: ``batch_size`` and whether it ``fits``). :attr:`label` is its text.
+    ``fit``: the smallest memory cap under which it trained (:func:`shrinkwrap.fit`), where tested;
+    ``trained_under``: a cap it trained under (autoplan's check of its budget).
     """
 
     plan: Plan
@@ -89,6 +95,8 @@ class Row:
     round: int | None = None
     batch_size: int | None = None
     fits: bool | None = None
+    fit: Any = None  # a shrinkwrap.fit.Fit (a layer above this one)
+    trained_under: int | None = None
 
     @property
     def label(self) -> str:
@@ -144,9 +152,13 @@ class Report:
 
     def value(self, row: Row) -> int | None:
         """The row's headline number in bytes (``None`` if the row has none, e.g. out of memory);
-        measured on several ranks, the largest rank's."""
+        measured on several ranks, the largest rank's. A row that ran CUDA graphs and was fit-tested
+        has the fit figure: a graphed iteration's allocations are no measure of what it needs (see
+        :mod:`shrinkwrap.fit`)."""
         if row.profile is None:
             return None
+        if row.fit is not None and row.profile.cuda_graphs and self.metric == "peak_allocated":
+            return row.fit.cap
         values = [self._metric(p) for p in row.profile.ranks or [row.profile]]
         return None if None in values else max(values)
 
@@ -188,6 +200,11 @@ class Report:
                 "matched": list(row.matched),
                 "skipped": [{"module": m, "reason": r} for m, r in row.skipped],
                 **_profile_dict(row.profile),
+                "fit_mib": _mib(row.fit.cap) if row.fit else None,
+                "fit_below_mib": _mib(row.fit.below) if row.fit else None,
+                "fit_resolution_mib": _mib(row.fit.resolution) if row.fit else None,
+                "fit_iterations": row.fit.iterations if row.fit else None,
+                "trained_under_mib": _mib(row.trained_under),
                 "rank": row.profile.rank if row.profile else None,
                 "ranks": [{"rank": p.rank, "value_mib": _mib(self._metric(p)), "peak_mib": _mib(p.peak),
                            "saved_mib": _mib(p.saved), "parameters_mib": _mib(p.parameters),
@@ -229,6 +246,8 @@ class Report:
         headers += [f"rank {r}" for r in range(world)] if world > 1 else []
         headers += ["Δ prev", "Δ base", "x base"]
         headers += ["1st step MiB", "static MiB", "peak-static MiB"] if cuda else ["params+grads+opt MiB"]
+        fits = any(r.fit is not None for r in self.rows)
+        headers += ["fits in MiB"] if fits else []
         headers += ["step ms", "time x base", "matched"]
         body = []
         for row, d in zip(self.rows, self._deltas()):
@@ -244,6 +263,7 @@ class Report:
                           _num(_mib(p.peak - p.static))] if p else ["-"] * 3
             else:
                 cells += [_num(_mib(p.parameters + p.gradients + p.optimizer_state))] if p else ["-"]
+            cells += [_num(_mib(row.fit.cap)) if row.fit else "-"] if fits else []
             cells += [_num(d["step_ms"]), _num(d["step_ratio"], ratio=True), _matched(row)]
             body.append(cells)
         return headers, body
@@ -263,6 +283,8 @@ class Report:
         for row in self.rows:
             if row.error:
                 lines.append(f"{row.label}: {row.status}: {row.error}")
+            if row.fit is not None:
+                lines.append(f"{row.label}: {row.fit}")
         ok = [r for r in self.rows if r.profile is not None]
         for row in ok[:1] + ok[-1:] if len(ok) > 1 else ok:
             top = ", ".join(f"{m or '(root)'} {b / MiB:.2f}" for m, b in row.profile.top_modules[:5])

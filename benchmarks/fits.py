@@ -1,0 +1,111 @@
+"""What fits: each configuration's reading beside the smallest cap it trains under, in one run.
+
+    python benchmarks/fits.py --model resnet18 [--configs fp32_eager,compile_bf16,best] [--json out.json]
+
+For each configuration of a bench model: the reading (``shrinkwrap.measure`` in a fresh process:
+the steady step's ``max_memory_allocated``, the bytes allocated before it, whether CUDA graphs ran)
+and the fit (``shrinkwrap.fit``: the smallest allocator cap under which a fresh process trains its
+first 8 iterations, compilation and recording included, bisected in fresh processes). Rows:
+
+- ``fp32_eager``: the model as it is, the plain ``max_memory_allocated`` control;
+- ``compile_bf16``: ``torch.compile`` around a hand-written bf16 autocast, the anchor;
+- ``best``: the plan RESULTS.md names as the model's best against compile + bf16 (``BEST``).
+
+Every figure of a row comes from the same GPU and run; one JSON object per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from run import MODELS, HandAutocast, _load, build  # noqa: E402
+
+MiB = 2**20
+# The plan each bench model's dominance claim rests on (RESULTS.md, "against compile + bf16").
+BEST = {
+    "resnet18": "space_to_depth(), checkpoint('conv1'), channels_last(), autocast(torch.bfloat16), "
+                "compile(mode='reduce-overhead', memory_budget=0.6)",
+    "efficientnet_b0": "autocast(torch.bfloat16), compile(mode='reduce-overhead', memory_budget=0.6)",
+    "resnet152": r"checkpoint(r'layer\d\.\d+'), channels_last(), autocast(torch.bfloat16), "
+                 "compile(mode='reduce-overhead')",
+    "gpt2": "chunked_loss(), autocast(torch.bfloat16), compile(mode='reduce-overhead', memory_budget=0.8)",
+    "bert": r"autocast(torch.bfloat16), compile(pattern=r'bert\.encoder\.layer\.\d+\.(?:attention\.output|"
+            r"intermediate|output)')",
+}
+CONFIGS = ("fp32_eager", "compile_bf16", "best")
+
+
+def configured(model_name: str, config: str) -> nn.Module:
+    """A fresh model of ``config`` (module level: fresh processes build it from its name)."""
+    model = build(model_name)
+    if config == "fp32_eager":
+        return model
+    if config == "compile_bf16":
+        return torch.compile(HandAutocast(model))
+    return sw.apply(model, BEST[model_name])
+
+
+def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
+    make = functools.partial(configured, model_name, config)
+    options = sw.Options(device="cuda")
+    reading = sw.compare.measure_plans(make, [sw.Plan()], batch, options, fit=False).rows[0]
+    out: dict[str, Any] = {"model": model_name, "config": config,
+                           "plan": BEST[model_name] if config == "best" else config,
+                           "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "date": datetime.date.today().isoformat()}
+    if reading.profile is None:
+        return {**out, "error": reading.error}
+    p = reading.profile
+    fit = sw.fit(make, batch, sw.Plan(), options, progress=lambda line: print(f"  {model_name} {config}: {line}",
+                                                                             flush=True))
+    free = fit.uncapped
+    return {**out, "reading_mib": round(p.peak / MiB, 1), "static_mib": round(p.static / MiB, 1),
+            "activation_mib": round((p.peak - p.static) / MiB, 1), "cuda_graphs": p.cuda_graphs,
+            "fit_mib": round(fit.cap / MiB, 1), "fit_below_mib": round(fit.below / MiB, 1) if fit.below else None,
+            "resolution_mib": round(fit.resolution / MiB, 1), "fit_above_static_mib": round((fit.cap - p.static) / MiB, 1),
+            "fit_x_reading": round(fit.cap / p.peak, 3),
+            "uncapped_reserved_mib": round(free.reserved / MiB, 1), "uncapped_allocated_mib": round(free.allocated / MiB, 1),
+            "uncapped_pools_mib": round((free.pools or 0) / MiB, 1), "probes": len(fit.probes),
+            "fit_seconds": round(fit.seconds, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    args = parser.parse_args()
+    _, batch = _load(args.model, MODELS[args.model][1])
+    rows = []
+    for config in args.configs.split(","):
+        rows.append(row(args.model, config, batch))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    print(f"\n| model | config | reading MiB | static MiB | fits in MiB (not under) | fit x reading | probes | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['config']} | {r['error']} |")
+            continue
+        print(f"| {r['model']} | {r['config']} | {r['reading_mib']} | {r['static_mib']} | {r['fit_mib']} "
+              f"({r['fit_below_mib']}) | {r['fit_x_reading']} | {r['probes']} | {r['fit_seconds']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""Fresh processes: where a configuration runs with nothing of another in its allocator.
+
+On CUDA each measured row (``compare``), each plan compiled ahead (:func:`compile_ahead`) and each
+probe of a memory cap (``fit``) runs in a new spawned process: allocator caches, cuDNN workspaces
+and CUDA graph pools of one cannot count in the next. Here: how a model travels to such a process
+(a factory, or :class:`_Copies` of an instance), how a plan's model is built there (:func:`_build`),
+the compiler settings a process takes on so that its work lands in the caches this one reads
+(:func:`compile_settings`, :func:`take_settings`), and how processes are started ahead and ended
+(:class:`FreshProcesses`, :func:`_stop`, :func:`_end`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import importlib
+import io
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from ._tree import tree_map
+from .measure.step import Options, _clean, _setup, resolve_device
+from .plan import Plan
+from .select import wrong
+
+
+class _Copies:
+    """Fresh copies of one model instance, so the user's own model is never touched.
+
+    In this process a copy is a ``deepcopy`` (given a ``device``, made there directly: see
+    :func:`_copy_onto`); sent to a subprocess, the model travels as ``torch.save`` bytes loaded onto
+    the CPU (no CUDA memory shared between processes).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.__name__ = type(model).__name__
+
+    def __call__(self, device: torch.device | None = None) -> nn.Module:
+        return copy.deepcopy(self.model) if device is None else _copy_onto(self.model, device)
+
+    def __getstate__(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.model, buf)
+        return {"blob": buf.getvalue(), "name": self.__name__}
+
+    def __setstate__(self, state: dict) -> None:
+        self.model = torch.load(io.BytesIO(state["blob"]), map_location="cpu", weights_only=False)
+        self.__name__ = state["name"]
+
+
+def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module], where: str) -> Callable[[], nn.Module]:
+    """A function returning a fresh model each call: the factory itself, or copies of an instance;
+    ``where`` names the public function for the message if it is neither."""
+    if isinstance(model_or_factory, nn.Module):
+        return _Copies(model_or_factory)
+    if callable(model_or_factory):
+        return model_or_factory
+    raise TypeError(wrong(where, "a model or a function returning one", model_or_factory))
+
+
+def _copy_onto(model: nn.Module, device: torch.device) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are made on ``device`` straight from
+    the originals, not cloned on the CPU first and then moved: on an H100 machine a copy of
+    resnet152 onto the GPU took 0.09 s this way and 0.15 s the plain way, 33 times in one autoplan
+    call. Parameter subclasses, tensors with a gradient, and tensors sharing memory take the plain
+    path, which keeps what they are."""
+    originals = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    storages = [t.untyped_storage().data_ptr() for t in originals if t.numel()]
+    if len(set(storages)) < len(storages) or any(
+            type(t) not in (torch.Tensor, nn.Parameter) or t.grad is not None or t.layout != torch.strided
+            for t in originals):
+        return copy.deepcopy(model).to(device)
+    memo: dict = {}
+    for t in originals:
+        new = t.detach().to(device, copy=True)
+        new = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new.requires_grad_(t.requires_grad)
+        new.__dict__.update(copy.deepcopy(t.__dict__, memo))
+        memo[id(t)] = new
+    return copy.deepcopy(model, memo)
+
+
+def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
+    model = make(device) if isinstance(make, _Copies) else make()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shrinkwrap: the model factory returned {type(model).__name__}, not an nn.Module")
+    return plan.apply(model.to(device))
+
+
+def _said(exc: BaseException) -> str:
+    """An error as a row or a note shows it: its type and the first line of its message."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+PROCESS_MARGIN = 2**30  # what a process holds beside its row's peak: its CUDA context and workspaces
+
+
+def compile_settings() -> dict:
+    """What this process set that the compiler's caches key on and a spawned process would not
+    inherit: matmul precision (:func:`_matmul_settings`), deterministic algorithms, the default
+    dtype, and inductor's and AOTAutograd's configuration. Set elsewhere, a process compiles graphs
+    that this one then misses in the caches."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return {"matmul": _matmul_settings(), "dtype": torch.get_default_dtype(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable()}
+
+
+_REDUCED = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+
+
+def _matmul_settings() -> dict:
+    """CUDA matmuls' settings as inductor's cache keys them: float32 precision
+    (``torch.backends.cuda.matmul.fp32_precision``, ``"none"`` until set) and the reduced-precision
+    reductions, with the precision as the legacy API reads it (``"legacy"``), where this process
+    did not set it through the newer one (then that API raises on reading it)."""
+    matmul = torch.backends.cuda.matmul
+    out = {name: getattr(matmul, name) for name in ("fp32_precision", *_REDUCED) if hasattr(matmul, name)}
+    try:
+        out["legacy"] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "mix of the legacy and new APIs": this process uses the new one
+        pass
+    return out
+
+
+def _take_matmul_settings(settings: dict) -> None:
+    """Take ``settings`` (:func:`_matmul_settings`), each only where it differs, through the API
+    the process that sent them used. Setting float32 precision to the "highest" it already was
+    turns torch's cache key "none" into "ieee": on an H100 (torch 2.11, 2026-11-26) every graph a
+    process ahead compiled then missed the caches in the process that sent it."""
+    matmul, mine = torch.backends.cuda.matmul, _matmul_settings()
+    if "legacy" in settings:
+        precision = ("legacy", "fp32_precision")
+        if [mine.get(k) for k in precision] != [settings.get(k) for k in precision]:
+            torch.set_float32_matmul_precision(settings["legacy"])
+    elif "fp32_precision" in settings and mine.get("fp32_precision") != settings["fp32_precision"]:
+        matmul.fp32_precision = settings["fp32_precision"]
+    for name in _REDUCED:
+        if name in settings and mine.get(name) != settings[name]:
+            setattr(matmul, name, settings[name])
+
+
+def take_settings(settings: dict) -> None:
+    """In a spawned process: take on ``settings`` (:func:`compile_settings`), each only where it
+    differs from this process's own (see :func:`_take_matmul_settings`), and keep no kernel
+    tuning on disk: configurations tuned beside other processes on the GPU would be used by the
+    process that times the plan, which tunes them itself, alone."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    _take_matmul_settings(settings["matmul"])
+    if torch.get_default_dtype() != settings["dtype"]:
+        torch.set_default_dtype(settings["dtype"])
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if deterministic != settings["deterministic"]:
+        torch.use_deterministic_algorithms(settings["deterministic"][0], warn_only=settings["deterministic"][1])
+    inductor_config.load_config(settings["inductor"])
+    functorch_config.load_config(settings["functorch"])
+    inductor_config.autotune_local_cache = False
+
+
+def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
+                 settings: dict) -> str | None:
+    """In a spawned process: ``settings`` taken on (:func:`take_settings`), then ``plan``'s
+    model built and run for its warm-up iterations and one more (where a compiled plan compiles
+    its forward and backward); None, or what stopped it."""
+    take_settings(settings)
+    device = torch.device(options.device)
+    try:
+        model = _build(make, device, plan)
+        step, _ = _setup(model, batch, options, device)
+        for _ in range(options.warmup + 1):
+            step()
+        return None
+    except Exception as exc:  # noqa: BLE001 - only a head start: the plan's own row says what fails
+        return _said(exc)
+    finally:
+        model = step = None
+        _clean(device)
+
+
+def _unsendable(args: tuple) -> str | None:
+    """Why ``args`` cannot be sent to a spawned process (pickled), or None."""
+    try:
+        pickle.dumps(args)
+        return None
+    except Exception as exc:  # noqa: BLE001 - pickle raises many types (PicklingError, AttributeError, TypeError)
+        return str(exc)
+
+
+def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
+                  room: int | None = None) -> tuple[int, list[str | None]]:
+    """Run each plan's first iterations in a fresh process of its own, several at once, so that
+    what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
+    AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
+    processes ran at once, and each plan's error or None; ``(0, [])`` where fewer than two would
+    (one process ahead of this one only adds its start) or the plans cannot be sent to a process.
+
+    ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
+    optimizer state and a step's activations, and its own CUDA context besides, counted here as
+    :data:`PROCESS_MARGIN`); on CUDA as many run at once as the free memory holds. ``None``: no
+    limit. The processes take this process's settings that the caches key on
+    (:func:`compile_settings`); kernels' tuning is not kept from them. Nothing they run is timed,
+    and this process waits until every one has exited.
+
+    On an H100 (torch 2.11, 2026-11-26, ``benchmarks/probes/compile_cache.py``), resnet152 @64's
+    first two iterations under ``autocast(bf16), compile()`` took 97.0 s cold and 6.4 s from the
+    caches; three such plans compiled side by side in 114 s, where one after another took 97-119 s
+    each.
+
+    Example::
+
+        >>> compile_ahead(make, [Plan.parse("compile()"), Plan.parse("autocast(torch.bfloat16), compile()")], batch,
+        ...               Options(device="cuda"))
+        (2, [None, None])
+    """
+    device = resolve_device(options.device)
+    at_once = len(plans)
+    if device.type == "cuda" and room is not None:
+        at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
+    if at_once < 2:
+        return 0, []
+    options = dataclasses.replace(options, device=str(device))
+    batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
+    try:
+        settings = compile_settings()
+    except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
+        return 0, []
+    if _unsendable((make, list(plans), batch, options, settings)):
+        return 0, []
+    out: list[str | None] = [None] * len(plans)
+    waiting = list(enumerate(plans))
+    running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < at_once:
+                i, plan = waiting.pop(0)
+                pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                running[pool.submit(_first_steps, make, plan, batch, options, settings)] = (i, pool)
+            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                i, pool = running.pop(future)
+                try:
+                    out[i] = future.result()
+                except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
+                    out[i] = _said(exc)
+                _end(_stop(pool), grace=10)  # gone, and its memory with it, before the next one starts
+    except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
+        for i, _ in waiting + list(running.values()):
+            out[i] = _said(exc)
+    finally:
+        for _, pool in running.values():
+            _end(_stop(pool), grace=0)
+    return at_once, out
+
+
+def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) -> None:
+    """A spawned process's first task: what a row does before it measures anything. ``make`` was
+    unpickled to get here, importing the modules it comes from; the ``modules`` that define the
+    model's classes are imported now, which the factory itself may import only when called
+    (transformers: 7.8 of the 16.8 s an isolated bert row took on an H100, with the process started
+    ahead); and CUDA starts. The factory is not called: it may cache what it builds, or act."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - only a head start; the row imports what it needs
+            pass
+    if torch.cuda.is_available():
+        torch.cuda.init()
+
+
+def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> tuple:
+    """Tell ``pool``'s processes to exit, without waiting; returns what :func:`_end` waits for.
+    The pool is held in it, so that it is not collected while its thread shuts them down."""
+    ending = pool, list((pool._processes or {}).values()), pool._executor_manager_thread
+    pool.shutdown(wait=False, cancel_futures=True)
+    return ending
+
+
+def _end(ending: tuple, grace: float) -> None:
+    """Terminate the processes of a stopped pool (see :func:`_stop`) still alive after ``grace``
+    seconds, and return once the pool's thread has reaped them. Only that thread joins them: a
+    second thread joining the same child races it (the loser's ``waitpid`` fails, and the child
+    stays listed as running)."""
+    _, processes, thread = ending
+    deadline = time.monotonic() + grace
+    for process in processes:
+        if not multiprocessing.connection.wait([process.sentinel], max(0.0, deadline - time.monotonic())):
+            process.terminate()
+    if thread is not None:
+        thread.join()
+
+
+class FreshProcesses:
+    """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
+    next row's process now, so that its start (imports, those of the model's classes
+    (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
+    that row comes; it is still fresh (it has measured nothing) then. One started and never used
+    is stopped by :meth:`close`.
+
+    Example::
+
+        >>> with FreshProcesses(make) as fresh:
+        ...     fresh.start_next()
+        ...     measure_plans(make, [Plan()], batch, isolate=True, processes=fresh)   # or fresh.run(fn, *args)
+    """
+
+    def __init__(self, make: Callable[[], nn.Module] | None = None, modules: Sequence[str] = ()) -> None:
+        # A copied instance would travel twice (torch.save bytes): only the imports and the CUDA start go ahead.
+        self.make = None if isinstance(make, _Copies) else make
+        self.modules = tuple(modules)
+        self._next: concurrent.futures.ProcessPoolExecutor | None = None
+        # Stopped pools whose row is done (see _stop), which close() waits for.
+        self._exiting: list[tuple] = []
+
+    def start_next(self) -> None:
+        if self._next is None:
+            self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._next.submit(_ready, self.make, self.modules)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
+        self.start_next()
+        pool, self._next = self._next, None
+        try:
+            return pool.submit(fn, *args).result()
+        finally:
+            # Not waited for here: the process exits while this one goes on (on an H100 machine its
+            # exit took 4.1 s after a resnet152 row), and close() waits for it. Its CUDA context is
+            # not this process's allocator's, so no reading here counts it.
+            self._exiting.append(_stop(pool))
+
+    def close(self) -> None:
+        if self._next is not None:
+            # Unused, it has measured nothing: stopped at once (it may still be importing).
+            _end(_stop(self._next), grace=0)
+            self._next = None
+        for ending in self._exiting:
+            _end(ending, grace=10)  # its row came back: nothing is left for it to do
+        self._exiting.clear()
+
+    def __enter__(self) -> "FreshProcesses":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
