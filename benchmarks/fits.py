@@ -9,7 +9,8 @@ first 8 iterations, compilation and recording included, bisected in fresh proces
 
 - ``fp32_eager``: the model as it is, the plain ``max_memory_allocated`` control;
 - ``compile_bf16``: ``torch.compile`` around a hand-written bf16 autocast, the anchor;
-- ``best``: the plan RESULTS.md names as the model's best against compile + bf16 (``BEST``).
+- ``best``: the plan RESULTS.md names as the model's best against compile + bf16 (``BEST``);
+- ``recipe``: the hand recipe of checkpointed blocks and bf16 autocast, eager (``run.RECIPES``' small).
 
 Every figure of a row comes from the same GPU and run; one JSON object per row.
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, HandAutocast, _load, build  # noqa: E402
+from run import MODELS, RECIPES, HandAutocast, _load, build  # noqa: E402
 
 MiB = 2**20
 # The plan each bench model's dominance claim rests on (RESULTS.md, "against compile + bf16").
@@ -45,7 +46,7 @@ BEST = {
     "bert": r"autocast(torch.bfloat16), compile(pattern=r'bert\.encoder\.layer\.\d+\.(?:attention\.output|"
             r"intermediate|output)')",
 }
-CONFIGS = ("fp32_eager", "compile_bf16", "best")
+CONFIGS = ("fp32_eager", "compile_bf16", "best", "recipe")
 
 
 def configured(model_name: str, config: str) -> nn.Module:
@@ -55,7 +56,11 @@ def configured(model_name: str, config: str) -> nn.Module:
         return model
     if config == "compile_bf16":
         return torch.compile(HandAutocast(model))
-    return sw.apply(model, BEST[model_name])
+    return sw.apply(model, plan_of(model_name, config))
+
+
+def plan_of(model_name: str, config: str) -> str:
+    return BEST[model_name] if config == "best" else RECIPES[model_name]["small"] if config == "recipe" else config
 
 
 def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
@@ -63,7 +68,7 @@ def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     options = sw.Options(device="cuda")
     reading = sw.compare.measure_plans(make, [sw.Plan()], batch, options, fit=False).rows[0]
     out: dict[str, Any] = {"model": model_name, "config": config,
-                           "plan": BEST[model_name] if config == "best" else config,
+                           "plan": plan_of(model_name, config),
                            "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "date": datetime.date.today().isoformat()}
     if reading.profile is None:

@@ -13,19 +13,19 @@ import shrinkwrap as sw
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
-WIDTH, BATCH = 2048, 4096
 
 
-def mlp() -> nn.Module:
+def resnet() -> nn.Module:
+    torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(8)], nn.Linear(WIDTH, 1))
+    return torchvision.models.resnet18(num_classes=10)
 
 
 def batch() -> torch.Tensor:
-    return torch.randn(BATCH, WIDTH)
+    return torch.randn(64, 3, 112, 112, generator=torch.Generator().manual_seed(0))
 
 
-BLOCKS = r"[0-7]"
+BLOCKS = r"layer[1-4]"
 PLANS = {
     "eager": "",
     "compiled": "compile()",
@@ -36,7 +36,7 @@ PLANS = {
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
 def test_a_reading_agrees_with_the_cap_it_trains_under(kind):
-    report = sw.compare.measure_plans(mlp, [sw.Plan.parse(PLANS[kind])], batch(), sw.Options(device="cuda"), fit=True)
+    report = sw.compare.measure_plans(resnet, [sw.Plan.parse(PLANS[kind])], batch(), sw.Options(device="cuda"), fit=True)
     row = report.rows[0]
     p, fit = row.profile, row.fit
     assert fit is not None and fit.below is not None and fit.cap - fit.below <= fit.resolution
@@ -46,11 +46,11 @@ def test_a_reading_agrees_with_the_cap_it_trains_under(kind):
         assert p.cuda_graphs and report.value(row) == fit.cap  # the fit figure stands for the reading
     else:
         assert fit.cap <= 1.10 * p.peak + 64 * MiB, (fit.cap / MiB, p.peak / MiB)
-    assert sw.trains_under(mlp, batch(), fit.cap + fit.resolution, PLANS[kind]).ok
+    assert sw.trains_under(resnet, batch(), fit.cap + fit.resolution, PLANS[kind]).ok
 
 
 def test_autoplan_s_budgeted_answer_trained_under_the_budget_s_cap():
-    plan, report = sw.autoplan(mlp, batch(), budget=0.6, max_slowdown=2.0, rounds=2)
+    plan, report = sw.autoplan(resnet, batch(), budget=0.6, max_slowdown=2.0, rounds=2)
     assert any(n.startswith("fits in ") and "trained 8 iterations under a" in n for n in report.notes), report.notes
     chosen = next(r for r in report.rows if r.trained_under is not None)
     assert str(chosen.plan) == str(plan)
