@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -40,16 +43,21 @@ def error_line(stderr: str) -> str:
 
 
 def one_error_line(capsys, argv, expected: str) -> None:
+    """The command ends in one error line, exit 2: before it, progress lines at most (stderr is no
+    terminal here: one line per stage)."""
     assert main(argv) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and error_line(err).startswith("shrinkwrap: error: ")
-    assert expected in err, err
+    lines = err.splitlines()
+    assert out == "" and error_line(err).startswith("shrinkwrap: error: ")
+    assert all(re.fullmatch(r"shrinkwrap: \d+/\d+ .*", line) for line in lines[:-1]), err
+    assert expected in lines[-1], err
 
 
 def test_demo_runs_and_prints_the_report(capsys, tmp_path):
     assert main(["demo", "--batch", "2", *FAST, "--json", str(tmp_path / "r.json")]) == 0
     out, err = capsys.readouterr()
-    assert err == ""  # no progress bar when stderr is not a terminal
+    # stderr is no terminal here: a line per stage, no bar redrawn in place
+    assert err.splitlines()[0] == "shrinkwrap: 0/5 baseline" and "\r" not in err
     assert "baseline" in out and "checkpoint(" in out and torch.__version__ in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["rows"][0]["step"] == "baseline" and len(data["rows"]) >= 2
@@ -176,11 +184,13 @@ def test_python_dash_m_runs_the_command():
 
 
 def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):
-    assert main(["fit", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--budget", "0.6", *FAST]) == 0
+    model = "shrinkwrap.models:tiny_efficientnet"
+    assert main(["fit", model, "--batch", "4", "--budget", "0.6", *FAST]) == 0
     out, _ = capsys.readouterr()
     plan = out.strip().splitlines()[-1].removeprefix("plan: ")
-    assert "baseline" in out and "chosen" in out
-    assert main(["profile", "test_cli:small_model", "--input", "3,8,8", "--batch", "4", "--plan", plan, *FAST]) == 0
+    assert "baseline" in out and "chosen" in out and "checkpoint(" in plan
+    assert max(len(line) for line in out.splitlines()) <= 120, out
+    assert main(["profile", model, "--batch", "4", "--plan", plan, *FAST]) == 0
 
 
 def test_fit_compile_tries_the_plans_compiled(capsys):
@@ -204,3 +214,92 @@ def test_torchrun_variables_inherited_without_fsdp_or_ddp_profile_this_process(c
         monkeypatch.setenv(key, value)
     assert main(["profile", f"{__name__}:small_model", "--batch", "2", "--input", "3,8,8", *FAST]) == 0
     assert not torch.distributed.is_initialized()
+
+
+# -- the edges: each one line and exit 2, before anything is measured -------------------------
+
+
+def model_that_fails_on_the_batch() -> nn.Module:
+    """A model whose forward raises on an input of the wrong shape (the user's --input)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(10, 2))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["fit", "shrinkwrap.models:tiny_efficientnet", "--batch", "2", "--budget", "1.5"],
+     "budget 1.5 has no unit: a fraction of the baseline's memory is at most 1, and bytes need a unit"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "2", "--plan", "checkpoint('blocks'"],
+     "cannot read plan \"checkpoint('blocks'\": '(' was never closed"),
+    (["profile", "shrinkwrap.models:tiny_efficientnet"], "the following arguments are required: --batch (see: "),
+    (["profile", f"{__name__}:model_that_fails_on_the_batch", "--batch", "2", "--input", "3,8,8"],
+     "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    (["profile", "no/such/file.py:make", "--batch", "2"], "no file 'no/such/file.py' for model"),
+])
+def test_an_edge_of_the_command_is_one_error_line(capsys, argv, expected):
+    one_error_line(capsys, [*argv, *FAST], expected)
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot", "--snapshot"])
+def test_an_output_into_a_missing_folder_is_refused_before_measuring(capsys, option, tmp_path, monkeypatch):
+    import shrinkwrap.cli as cli
+
+    monkeypatch.setattr(cli, "plan_report", lambda *a, **k: pytest.fail("measured before checking the output"))
+    path = str(tmp_path / "nowhere" / "out.png")
+    expected = "needs a GPU" if option == "--snapshot" else f"{option} {path}: the folder {tmp_path / 'nowhere'} does not"
+    if option == "--plot":
+        pytest.importorskip("matplotlib")
+    one_error_line(capsys, ["profile", "shrinkwrap.models:tiny_efficientnet", "--batch", "2", option, path, *FAST],
+                   expected)
+
+
+def test_a_torchvision_that_cannot_be_imported_is_one_line(capsys, monkeypatch):
+    import shrinkwrap.cli as cli
+
+    real = cli.importlib.import_module
+
+    def broken(name, *a, **k):
+        if name == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(cli.importlib, "import_module", broken)
+    one_error_line(capsys, ["profile", "torchvision:resnet18", "--batch", "2", *FAST],
+                   "torchvision is installed but cannot be imported (RuntimeError: operator torchvision::nms does "
+                   "not exist)")
+
+
+def test_a_model_file_by_path_and_a_module_in_the_current_folder_load(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodel.py").write_text(
+        "import torch.nn as nn\n\ndef make():\n    return nn.Sequential(nn.Flatten(), nn.Linear(12, 2))\n")
+    assert main(["profile", str(tmp_path / "mymodel.py") + ":make", "--batch", "2", "--input", "3,2,2", *FAST]) == 0
+    capsys.readouterr()
+    script = shutil.which("shrinkwrap", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the shrinkwrap script is not installed beside this python")
+    run = subprocess.run([script, "profile", "mymodel:make", "--batch", "2", "--input", "3,2,2", *FAST],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "baseline" in run.stdout
+
+
+def test_version_and_a_wrong_option_are_one_line_each(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("shrinkwrap 0.")
+    one_error_line(capsys, ["demo", "--bogus"], "unrecognized arguments: --bogus (see: shrinkwrap --help)")
+
+
+def test_the_fit_table_fits_120_columns_with_long_plans(capsys):
+    from shrinkwrap import Plan, Report, Row
+    from shrinkwrap.measure.step import Profile
+
+    def prof(ms):
+        return Profile("cuda:0", "GPU", "2", None, 10, 0, 0, 0, ms, [ms], peak=100 * 2**20, first_peak=110 * 2**20,
+                       static=10 * 2**20)
+
+    long = Plan.parse(r"checkpoint(r'features\.[1-7]\.\d+'), swish(), bn_act(), channels_last(), autocast(torch.bfloat16)")
+    report = Report([Row(Plan(), prof(10.0), role="baseline"), Row(long, prof(12.0), tuple(f"features.{i}.{j}"
+                     for i in range(7) for j in range(3)))], "cuda:0", "GPU", "2", model="m", batch="b",
+                    notes=[f"note {i}" for i in range(10)])
+    text = report.to_text(notes=3)
+    assert max(len(line) for line in text.splitlines()) <= 120, text
+    assert f"[1] {long}" in text and "note 2" in text and "note 3" not in text and "(7 more notes" in text

@@ -27,7 +27,7 @@ from .transforms import *  # noqa: F403  (each family's __all__: steps, apply_* 
 # Each step also reads as the call its text form writes: sw.checkpoint(...), sw.bn_act().
 globals().update({_cls.name: _cls for _cls in registered()})
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = [
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",

@@ -89,18 +89,29 @@ class Effect:
 
 
 def parse_budget(budget: Budget, baseline: float) -> float | None:
-    """Bytes from ``4_000_000_000``, ``"4GiB"``/``"500MB"``, or a fraction of ``baseline`` (``0.5``)."""
+    """Bytes from an int (``8_000_000_000``) or a size with its unit (``"8GiB"``, ``"500MB"``, ``"100B"``),
+    or a fraction of ``baseline`` from a number in (0, 1] (``0.5``, ``"0.5"``). A number above 1
+    without a unit (``1.5``, ``"1.5"``) is refused: as bytes it would be nothing, as a fraction
+    more than the baseline; the message names both readings."""
     if budget is None:
         return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"shrinkwrap: a budget is bytes (an int, or text such as '8GiB') or a fraction of the "
+                        f"baseline (0.5); got {budget!r}")
     if isinstance(budget, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([kmg]i?b|b)?\s*", budget.lower())
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?\s*", budget.lower())
         if not m:
             raise ValueError(f"shrinkwrap: cannot read budget {budget!r}; write e.g. '4GiB', '500MB' or 0.5")
-        return float(m.group(1)) * _UNITS[m.group(2) or "b"]
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return budget * baseline
+        if m.group(2):
+            return float(m.group(1)) * _UNITS[m.group(2)]
+        budget = float(m.group(1))
     if budget <= 0:
         raise ValueError(f"shrinkwrap: a budget must be positive, got {budget!r}")
+    if isinstance(budget, float):
+        if budget > 1:
+            raise ValueError(f"shrinkwrap: budget {budget!r} has no unit: a fraction of the baseline's memory is at "
+                             f"most 1, and bytes need a unit: write e.g. '{budget:g}GiB', or 0.5 for half the baseline")
+        return budget * baseline
     return float(budget)
 
 
@@ -134,7 +145,7 @@ def _effects(cands: list[Candidate], rows: list[Row], base: Row, metric: Callabl
 
 
 def _search(effects: list[Effect], base_mem: float, base_t: float, target: float | None,
-            max_t: float | None) -> list[Effect]:
+            max_t: float | None, speedups: bool = True) -> list[Effect]:
     """The set of candidates to add, predicted by adding their measured savings and costs, that is
     best exactly (branch and bound over every set whose candidates cover no module twice):
 
@@ -144,13 +155,16 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     - without: the smallest within ``max_t``, the faster of equals.
 
     A candidate that saves no memory but runs faster (``channels_last()``) is in the search too:
-    the time it wins pays for a checkpoint that would not fit the limit otherwise.
+    the time it wins pays for a checkpoint that would not fit the limit otherwise; not with
+    ``speedups=False`` (a CPU, where the memory is the bytes saved for backward and a step's
+    time is not the GPU's: a faster row there is noise, not a reason to take a step).
 
     Greedy orders miss sets that exist: a whole stage that saves the most shuts out the groups
     that, together, fit the budget faster.
     """
     # A candidate that saves nothing but runs faster (channels_last) buys time for others.
-    usable = sorted((e for e in effects if not e.error and (e.saving > 0 or e.cost < 0)), key=lambda e: -e.saving)
+    usable = sorted((e for e in effects if not e.error and (e.saving > 0 or (speedups and e.cost < 0))),
+                    key=lambda e: -e.saving)
     n = len(usable)
     save_left = [sum(max(e.saving, 0.0) for e in usable[i:]) for i in range(n + 1)]
     gain_left = [sum(min(e.cost, 0.0) for e in usable[i:]) for i in range(n + 1)]  # time it could still win back
@@ -184,7 +198,7 @@ def _search(effects: list[Effect], base_mem: float, base_t: float, target: float
     if target is not None and max_t is not None and best[0][0] != 0:
         # No set within both limits: one within the budget, however slow, before one within the time
         # limit over it (over the budget the run fails; over the time limit it runs slower).
-        relaxed = _search(effects, base_mem, base_t, target, None)
+        relaxed = _search(effects, base_mem, base_t, target, None, speedups)
         if base_mem - sum(e.saving for e in relaxed) <= target:
             return relaxed
     return best[1]
@@ -498,7 +512,12 @@ class _Search:
         return row
 
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
-        return _search(effects, mem, t, target, self.max_t)
+        return _search(effects, mem, t, target, self.max_t, self.speedups)
+
+    @property
+    def speedups(self) -> bool:
+        """Whether a candidate that saves nothing may be taken for its time: on CUDA (see :func:`_search`)."""
+        return getattr(self.rows, "cuda", True)
 
     def base(self, whole: list[Candidate]) -> tuple[list[Effect], list[Row], Row]:
         """Stage 1: each whole-model step alone; the best of them within the limits (bf16 autocast,
@@ -658,7 +677,7 @@ class _Search:
         autoplan's time: 114 of 149 s on resnet18). With inductor they are compiled ahead, side by
         side (:meth:`compile_ahead`). A plan that fails to compile is a row with its error."""
         final = self.final(tried).plan
-        smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None)], self.model)
+        smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
         # most, and each plan here is a compilation (resnet152's take minutes).
@@ -1030,23 +1049,28 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if final is base:
         chosen = []  # no candidate is taken
 
+    # What answers the question first (the limits, whether they were met, the plan); then why.
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step", *report.notes]
     if target is not None:
         notes.append(f"budget: {target / 2**20:.1f} MiB")
     if search.max_t is not None:
         notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
-    notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
+    notes += [*unmet, *capped, f"plan: {final.plan or '(none: the model as it is)'}"]
+    if not cuda:
+        notes.append("on a CPU the memory is the bytes saved for backward, and steps are taken for what they save: "
+                     "a faster CPU step is no reason to take one")
     for row in tried:
         if str(row.plan) in search.ratios:
             timings = search.ratios[str(row.plan)]
             ratio, low, high = ratio_interval(*timings)
+            row.time_ratio = ratio
             undecided = "" if slowdown_decided(*timings, max_slowdown, tolerance) else \
                 " (the interval straddles it after the most rounds: decided by the median)"
             notes.append(f"{row.label}: {ratio:.3f}x the baseline's step time, timed in turns with it "
                          f"(median of {len(timings[0].rounds_ms)} rounds' ratios, {CONFIDENCE:.0%} interval "
                          f"{low:.3f}-{high:.3f}x): {'within' if search.fits_time(row) else 'over'} the limit "
                          f"of {max_slowdown}x{undecided}")
-    notes += capped + unmet
+    notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
     notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
                  f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
@@ -1058,12 +1082,18 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                      f"at once, into the compiler's on-disk caches; this process then compiled {ahead.hits} graph(s) "
                      f"from them and {ahead.misses} anew"
                      + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
-    notes.append(f"plan: {final.plan}")
-    report.rows += tried
+    report.rows = _last_of_each(report.rows + tried)
     report.notes = notes
     if maximize == "batch":
         return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
     return final.plan, report
+
+
+def _last_of_each(rows: list[Row]) -> list[Row]:
+    """``rows`` with one row per plan, its last (a plan verified in a fresh process, not its
+    candidate row), the baseline first."""
+    last = {str(r.plan): r for r in rows[1:]}
+    return rows[:1] + [r for r in rows[1:] if last[str(r.plan)] is r and str(r.plan) != str(rows[0].plan)]
 
 
 def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row | None, list[str]]:

@@ -29,8 +29,10 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import os
 import sys
-from typing import Any, Callable
+import traceback
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
@@ -53,7 +55,13 @@ class CliError(Exception):
 def _need(package: str) -> Any:
     if importlib.util.find_spec(package) is None:
         raise CliError(f"{package} is not installed; install it with: pip install {_PIP.get(package, package)}")
-    return importlib.import_module(package)
+    try:
+        return importlib.import_module(package)
+    except Exception as exc:  # noqa: BLE001 - a broken install (torchvision built for another torch) is one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CliError(f"{package} is installed but cannot be imported ({type(exc).__name__}: {first}); a "
+                       f"{package} built for another torch than {torch.__version__}? Install the matching one "
+                       f"(pip install 'shrinkwrap[vision]' keeps torchvision matched)") from exc
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> CliError:
@@ -155,10 +163,7 @@ def _factory_and_batch(spec: str, input_shape: tuple[int, ...] | None, batch_siz
         seq_cls = _hf_model_class(config) is transformers.AutoModelForSequenceClassification
         labels = torch.randint(0, config.num_labels, (batch_size,), generator=gen) if seq_cls else ids
         return functools.partial(_transformers, name), {"input_ids": ids, "labels": labels}
-    try:
-        module = importlib.import_module(family)
-    except ImportError as exc:
-        raise CliError(f"cannot import {family!r} for model {spec!r}: {exc}") from None
+    module = _user_module(family, spec)
     factory = getattr(module, name, None)
     if not callable(factory):
         raise CliError(f"{family} has no callable {name!r} to build the model")
@@ -168,21 +173,58 @@ def _factory_and_batch(spec: str, input_shape: tuple[int, ...] | None, batch_siz
     return factory, images(tuple(shape))
 
 
+def _user_module(where: str, spec: str) -> Any:
+    """The module a ``package.module:factory`` or ``path/to/file.py:factory`` spec names. The
+    current folder is searched first, as ``python -m`` does; a file's folder is added to the path,
+    so that its module imports by name in the fresh processes that measure each row."""
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        path = os.path.abspath(where if where.endswith(".py") else where + ".py")
+        if not os.path.isfile(path):
+            raise CliError(f"no file {where!r} for model {spec!r}")
+        folder, name = os.path.split(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        where = name.removesuffix(".py")
+    elif os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise CliError(f"cannot import {where!r} for model {spec!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised on import: one line, not a traceback
+        raise CliError(f"importing {where!r} for model {spec!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _writable(path: str | None, what: str) -> None:
+    """Raise if ``path`` cannot be written (its folder missing): before minutes of measuring."""
+    if not path or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{what} {path}: the folder {folder} is not writable")
+
+
 # -- running ------------------------------------------------------------------------------
 
 
 class _Bar:
-    """A progress line on stderr, drawn only when stderr is a terminal."""
+    """Progress on stderr: a bar redrawn in place on a terminal, one line per stage in a log
+    (stderr not a terminal), none with ``--quiet``."""
 
-    def __init__(self) -> None:
-        self.on = sys.stderr.isatty()
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet, self.tty = quiet, sys.stderr.isatty()
 
     def __call__(self, i: int, n: int, label: str) -> None:
-        if not self.on:
+        if self.quiet:
             return
-        filled = int(20 * i / max(n, 1))
-        text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
-        sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
+        if not self.tty:
+            sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:100]}\n")
+        else:
+            filled = int(20 * i / max(n, 1))
+            text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
+            sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
         sys.stderr.flush()
 
 
@@ -216,16 +258,27 @@ def _positive(text: str) -> int:
     return value
 
 
-def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str,
-         parallelize: Parallelize | None = None, device: str | None = None) -> int:
-    device = device or _device(args.device)
+def _check_outputs(args: argparse.Namespace, device: str) -> None:
+    """What can be checked of the outputs before minutes of measuring: their folders, the plot's
+    matplotlib, a snapshot's GPU."""
     if args.snapshot and not device.startswith("cuda"):
         raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
     if args.plot:
-        _need("matplotlib")  # before minutes of measuring, not after
+        _need("matplotlib")
+    for path, what in ((args.json, "--json"), (args.plot, "--plot"), (args.snapshot, "--snapshot")):
+        _writable(path, what)
+
+
+def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str,
+         parallelize: Parallelize | None = None, device: str | None = None) -> int:
+    device = device or _device(args.device)
+    _check_outputs(args, device)
     rank = (rank_and_world() or (0, 1))[0]
+    fit = True if getattr(args, "fit", False) else None
+    if fit and not device.startswith("cuda"):
+        raise CliError("--fit trains each row under memory caps on the GPU; it needs --device cuda")
     report = plan_report(plan, factory, batch, iterations=args.iterations, device=device, snapshot=args.snapshot,
-                         progress=_Bar() if rank == 0 else None, name=name, parallelize=parallelize)
+                         progress=_Bar(args.quiet) if rank == 0 else None, name=name, parallelize=parallelize, fit=fit)
     return _emit(args, report) if rank == 0 else 0
 
 
@@ -233,7 +286,7 @@ def _emit(args: argparse.Namespace, report: Any) -> int:
     if args.json == "-":
         print(report.to_json())
     else:
-        print(report.to_markdown() if args.markdown else report.to_text())
+        print(report.to_markdown() if args.markdown else report.to_text(notes=None if args.verbose else 6))
         if args.json:
             with open(args.json, "w") as f:
                 f.write(report.to_json() + "\n")
@@ -279,10 +332,7 @@ def _launch(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if device.startswith("cuda") and args.nproc > torch.cuda.device_count():
         raise CliError(f"--nproc {args.nproc} needs a GPU per rank; this machine has {torch.cuda.device_count()}")
-    if args.snapshot and not device.startswith("cuda"):
-        raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
-    if args.plot:
-        _need("matplotlib")
+    _check_outputs(args, device)
     return parallel.launch(args.nproc, _without_nproc(args.argv))
 
 
@@ -317,13 +367,16 @@ def _rank(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any
         torch.distributed.destroy_process_group()
 
 
-def _budget(text: str) -> float | str:
-    """'0.5' (a fraction of the baseline) stays a float; '4GiB', '500MB' or bytes stay text."""
+def _budget(text: str) -> str:
+    """The budget's text, checked now (autoplan reads it: a fraction in (0, 1] of the baseline, or
+    bytes with a unit), not after the baseline is measured."""
+    from .autoplan import parse_budget
+
     try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if value <= 1 else text
+        parse_budget(text, 1.0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("shrinkwrap: ")) from None
+    return text
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -332,24 +385,40 @@ def _fit(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.snapshot:
         raise CliError("fit takes no --snapshot; profile the plan it prints to get one")
-    if args.plot:
-        _need("matplotlib")
+    if args.budget is None and args.max_slowdown is None:
+        raise CliError("fit needs --budget (e.g. 8GiB, or 0.5 of the baseline), --max-slowdown (e.g. 1.2), or both")
+    _check_outputs(args, device)
     factory, batch = load_model(args.model, args.input, args.batch)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
                             allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
-                            device=device, progress=_Bar(), compile=args.compile or False)
+                            device=device, progress=_Bar(args.quiet), compile=args.compile or False)
     report.model = args.model
     _emit(args, report)
     if args.json != "-":
-        print(f"\nplan: {plan}")
+        print(f"\nplan: {plan or '(none: the model as it is)'}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as the command's others: one ``shrinkwrap: error:`` line naming where the
+    help is, exit status 2 (argparse's own prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"shrinkwrap: error: {message} (see: {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shrinkwrap", description="Measure what each step of a memory plan saves and costs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from ._version import __version__
+
+    parser = _Parser(prog="shrinkwrap", description="Measure what each step of a memory plan saves and costs.")
+    parser.add_argument("--version", action="version", version=f"shrinkwrap {__version__} (torch {torch.__version__})")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def outputs(p: argparse.ArgumentParser, iterations: int) -> None:
+        p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+        p.add_argument("--verbose", action="store_true", help="every note of the report (by default the first six)")
+        p.add_argument("--debug", action="store_true", help="on an error, the whole traceback, not one line")
         p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
         p.add_argument("--iterations", "--steps", type=_positive, default=iterations,
                        help=f"timed training iterations per row (default {iterations})")
@@ -372,6 +441,8 @@ def _parser() -> argparse.ArgumentParser:
     model_args(prof)
     prof.add_argument("--plan", default="", help="the plan's text, e.g. \"checkpoint('layer[12]'), swish()\" "
                       "(default: none: the model as it is)")
+    prof.add_argument("--fit", action="store_true", help="CUDA: also find each row's smallest memory cap by training it "
+                      "under caps in fresh processes (minutes a row): what a card must hold")
     prof.add_argument("--nproc", type=_positive, help="measure on N ranks of this machine, started through "
                       "torch.distributed.run (with --fsdp or --ddp); rank 0 prints the report, a column per rank")
     wrap = prof.add_mutually_exclusive_group()
@@ -397,12 +468,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shrinkwrap`` command; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``shrinkwrap`` command; returns the exit status: 0, or 2 after one
+    ``shrinkwrap: error:`` line on stderr (the whole traceback with ``--debug``)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or argparse's error line: their status
+        return int(exc.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc starts on each rank
     try:
         return args.func(args)
-    except (CliError, ValueError) as exc:  # PlanError and SelectionError are ValueErrors
-        message = " ".join(str(exc).split()).removeprefix("shrinkwrap: ")
-        print(f"shrinkwrap: error: {message}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("shrinkwrap: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - shrinkwrap's own errors and the user's model's alike: one line
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"shrinkwrap: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """What went wrong, on one line: shrinkwrap's message as it is; another exception (the user's
+    model failing on the batch, a package that breaks) by its type and first line, and where the
+    whole traceback is."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, CliError) or text.startswith("shrinkwrap: "):
+        return text.removeprefix("shrinkwrap: ")
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first} (the whole traceback: add --debug)"

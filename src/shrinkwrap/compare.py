@@ -29,8 +29,8 @@ import torch.nn as nn
 from . import _rewrite
 from ._tree import tensors, tree_map
 from .measure.ranks import rank_and_world
-from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, device_name, measure_with, numbered, \
-    resolve_device
+from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, _setup, device_name, measure_with, \
+    numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
 from .processes import FreshProcesses, _build, _Copies, _said, _unsendable, model_maker
@@ -73,6 +73,19 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
     finally:
         model = None  # this frame's reference must go before the cache is emptied for the next row
         _clean(device)
+
+
+def _warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> None:
+    """Run ``plan``'s first iterations once, untimed, in this process: the first row measured in a
+    process otherwise pays what the process does once (thread pools, allocations, lazy imports):
+    on a CPU a plan that recomputes read faster than the baseline measured before it."""
+    try:
+        model = _build(make, torch.device(options.device), plan)
+        step, _ = _setup(model, batch, options, torch.device(options.device))
+        for _ in range(options.warmup):
+            step()
+    except Exception:  # noqa: BLE001 - only a warm-up: the row itself says what fails
+        pass
 
 
 def describe_batch(batch: Any) -> str:
@@ -135,8 +148,10 @@ def measure_plans(
         if isinstance(make, _Copies) and any(p.is_cuda for p in make.model.parameters()):
             notes.append("your model's own weights stay on the GPU and are counted in every row")
 
+    if not isolate and device.type == "cpu" and plans:
+        _warm_process(make, plans[0], batch, options)
     rows = []
-    # Rows' processes are joined as it closes, after the last row (see FreshProcesses.row).
+    # Rows' processes are joined as it closes, after the last row (see FreshProcesses.run).
     with contextlib.nullcontext(processes) if processes else FreshProcesses() as fresh:
         for i, plan in enumerate(plans):
             role = "candidate" if plan.steps else "baseline"

@@ -95,12 +95,14 @@ class Plan:
         """
         if not isinstance(text, str):
             raise TypeError(wrong("Plan.parse()", "the plan's text (a str)", text))
-        try:
-            tree = ast.parse(f"[{text}]", mode="eval")
+        if not text.strip():
+            return cls()
+        try:  # the text as the user wrote it, so that a message names what they typed
+            body = ast.parse(text.strip(), mode="eval").body
         except SyntaxError as exc:
             raise PlanError(f"shrinkwrap: cannot read plan {text!r}: {exc.msg}") from None
         steps = []
-        for node in tree.body.elts:  # type: ignore[attr-defined]
+        for node in body.elts if isinstance(body, ast.Tuple) else [body]:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
                 raise PlanError(f"shrinkwrap: expected a step like swish() in plan, got {ast.unparse(node)!r}")
             step_cls = step_class(node.func.id)

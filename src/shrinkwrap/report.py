@@ -22,7 +22,7 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       status ("ok" | "oom" | "failed"), error (null or the message),
       value_mib (the metric; of the largest rank under a process group), delta_prev_mib,
       delta_base_mib, ratio_base,
-      step_ms, step_ratio (against the baseline),
+      step_ms, step_ratio (against the baseline; timed in turns with it where autoplan did so),
       matched[] (module names the step acted on), skipped[] ({module, reason}),
       peak_mib, first_peak_mib, static_mib (CUDA; null without),
       saved_mib, parameters_mib (parameters and buffers), gradients_mib, optimizer_state_mib, batch_mib,
@@ -82,7 +82,9 @@ class Row:
     (autoplan's ``compile`` stage) or ``"batch"``
     (``maximize="batch"``: ``batch_size`` and whether it ``fits``). :attr:`label` is its text.
     ``fit``: the smallest memory cap under which it trained (:func:`shrinkwrap.fit`), where tested;
-    ``trained_under``: a cap it trained under (autoplan's check of its budget).
+    ``trained_under``: a cap it trained under (autoplan's check of its budget); ``time_ratio``: its
+    step time over the baseline's, timed in turns with it in one process, where it was (the
+    figure the report shows then: rows timed apart drift 10-20% on a shared GPU).
     """
 
     plan: Plan
@@ -97,6 +99,7 @@ class Row:
     fits: bool | None = None
     fit: Any = None  # a shrinkwrap.fit.Fit (a layer above this one)
     trained_under: int | None = None
+    time_ratio: float | None = None  # step time over the baseline's, timed in turns with it (autoplan)
 
     @property
     def label(self) -> str:
@@ -176,7 +179,8 @@ class Report:
                 "delta_base_mib": _mib(v - base_v) if v is not None and base_v is not None else None,
                 "ratio_base": round(v / base_v, 4) if v is not None and base_v else None,
                 "step_ms": None if t is None else round(t, 3),
-                "step_ratio": round(t / base_t, 4) if t is not None and base_t else None,
+                "step_ratio": round(row.time_ratio, 4) if row.time_ratio is not None else
+                round(t / base_t, 4) if t is not None and base_t else None,
             })
             prev_v = v
         return out
@@ -239,16 +243,17 @@ class Report:
 
     # -- tables ------------------------------------------------------------------------------
 
-    def _table(self) -> tuple[list[str], list[list[str]]]:
+    def _table(self, width: int | None = None) -> tuple[list[str], list[list[str]], list[str]]:
+        """Headers, rows, and the legend of the labels cut to fit ``width`` columns (None: none cut)."""
         cuda = self.metric == "peak_allocated"
         world = self.world_size
         headers = ["step", ("peak MiB" if cuda else "saved MiB") + (f", max of {world} ranks" if world > 1 else "")]
         headers += [f"rank {r}" for r in range(world)] if world > 1 else []
-        headers += ["Δ prev", "Δ base", "x base"]
-        headers += ["1st step MiB", "static MiB", "peak-static MiB"] if cuda else ["params+grads+opt MiB"]
+        headers += ["x base"]
+        headers += ["1st step MiB", "static MiB", "peak-static"] if cuda else ["params+grads+opt MiB"]
         fits = any(r.fit is not None for r in self.rows)
         headers += ["fits in MiB"] if fits else []
-        headers += ["step ms", "time x base", "matched"]
+        headers += ["step ms" if cuda else "CPU step ms", "time x base", "matched"]
         body = []
         for row, d in zip(self.rows, self._deltas()):
             p = row.profile
@@ -256,8 +261,7 @@ class Report:
             if world > 1:
                 ranks = {q.rank: q for q in p.ranks} if p else {}
                 cells += [_num(_mib(self._metric(ranks[r]))) if r in ranks else "-" for r in range(world)]
-            cells += [_num(d["delta_prev_mib"], sign=True), _num(d["delta_base_mib"], sign=True),
-                      _num(d["ratio_base"], ratio=True)]
+            cells += [_num(d["ratio_base"], ratio=True)]
             if cuda:
                 cells += [_num(_mib(p.first_peak)), _num(_mib(p.static)),
                           _num(_mib(p.peak - p.static))] if p else ["-"] * 3
@@ -266,7 +270,20 @@ class Report:
             cells += [_num(_mib(row.fit.cap)) if row.fit else "-"] if fits else []
             cells += [_num(d["step_ms"]), _num(d["step_ratio"], ratio=True), _matched(row)]
             body.append(cells)
-        return headers, body
+        legend: list[str] = []
+        if width is not None:
+            # The first and last columns (labels and matched names) give way, numbers never.
+            fixed = sum(max(len(r[i]) for r in [headers, *body]) + 2 for i in range(1, len(headers) - 1))
+            room = max(24, (width - fixed) * 2 // 3)
+            for cells in body:
+                if len(cells[0]) > room:
+                    legend.append(f"[{len(legend) + 1}] {cells[0]}")
+                    cells[0] = cells[0][: room - 6 - len(str(len(legend)))] + f"… [{len(legend)}]"
+            label = max(len(r[0]) for r in [headers, *body]) + 2
+            for cells in body:
+                if len(cells[-1]) > width - fixed - label:
+                    cells[-1] = cells[-1][: max(8, width - fixed - label - 1)] + "…"
+        return headers, body, legend
 
     def _header_lines(self) -> list[str]:
         lines = [f"shrinkwrap report: {self.model or 'model'}, batch {self.batch or '?'}",
@@ -278,7 +295,7 @@ class Report:
                          "(batch, shards and figures per rank); the headline is the largest rank's")
         return lines
 
-    def _footer_lines(self) -> list[str]:
+    def _footer_lines(self, notes: int | None = None) -> list[str]:
         lines = []
         for row in self.rows:
             if row.error:
@@ -298,25 +315,30 @@ class Report:
             if p.compiled:
                 lines.append(f"compiled, {row.label}: first iteration {p.first_ms:.0f} ms with compilation, "
                              f"graph breaks {p.graph_breaks}, recompiles after warm-up {p.recompiles}")
-        lines += [f"note: {n}" for n in self.notes]
+        shown = self.notes if notes is None else self.notes[:notes]
+        lines += [f"note: {n}" for n in shown]
+        if len(shown) < len(self.notes):
+            lines.append(f"({len(self.notes) - len(shown)} more notes: --verbose, or the report's JSON)")
         return lines
 
-    def to_text(self) -> str:
-        """An aligned table for a terminal."""
-        headers, body = self._table()
+    def to_text(self, width: int = 120, notes: int | None = None) -> str:
+        """An aligned table for a terminal, ``width`` columns at most: a label too long for it is
+        cut and given in full in a legend below, as are the names a row matched. ``notes``: how many
+        of the report's notes to show (None: all; the rest are counted, and are in the JSON)."""
+        headers, body, legend = self._table(width)
         widths = [max(len(r[i]) for r in [headers, *body]) for i in range(len(headers))]
         # Text columns read left-aligned, numbers right-aligned.
         fmt = lambda cells: "  ".join(  # noqa: E731
             c.ljust(w) if i in (0, len(cells) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ).rstrip()
-        lines = self._header_lines() + ["", fmt(headers), fmt(["-" * w for w in widths])]
+        lines = [_wrap(h, width) for h in self._header_lines()] + ["", fmt(headers), fmt(["-" * w for w in widths])]
         lines += [fmt(r) for r in body]
-        footer = self._footer_lines()
+        footer = [_wrap(f, width) for f in legend + self._footer_lines(notes)]
         return "\n".join(lines + ([""] + footer if footer else []))
 
     def to_markdown(self) -> str:
         """A markdown table to paste in an issue."""
-        headers, body = self._table()
+        headers, body, _ = self._table()
         esc = lambda c: c.replace("|", "\\|")  # noqa: E731
         lines = [" · ".join(self._header_lines()), "",
                  "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -397,6 +419,14 @@ def _profile_dict(p: "Profile | None") -> dict[str, Any]:
         "recompiles": p.recompiles if p else None,
         "graph_breaks": p.graph_breaks if p else None,
     }
+
+
+def _wrap(text: str, width: int) -> str:
+    """``text`` broken into lines of at most ``width`` columns, continuations indented."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=True,
+                                    break_on_hyphens=False)) or text
 
 
 def _num(x: float | None, sign: bool = False, ratio: bool = False) -> str:
