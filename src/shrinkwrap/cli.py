@@ -1,4 +1,4 @@
-"""The ``shrinkwrap`` command: ``shrinkwrap demo`` and ``shrinkwrap profile MODEL ...``.
+"""The ``shrinkwrap`` command: ``demo``, ``profile``, ``fit`` and ``estimate``.
 
 ``shrinkwrap demo`` measures a plan on the built-in EfficientNet-style model (no downloads; seconds
 on a laptop CPU, CUDA when present). ``shrinkwrap profile`` measures a plan on a model named as
@@ -11,6 +11,9 @@ exit status 2.
 starts them through ``torch.distributed.run``, each applies the plan, then shards its model with
 FSDP2 (each block, then the root) or wraps it in DDP, and measures; rank 0 prints the report, a
 column per rank. The same command started under ``torchrun`` (without ``--nproc``) is one rank.
+
+``shrinkwrap estimate MODEL --batch N [--plan ...]`` predicts the CUDA peak on the CPU, in
+seconds (:func:`shrinkwrap.estimate`); ``shrinkwrap fit`` finds the plan for a budget (autoplan).
 
 Example::
 
@@ -29,6 +32,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import traceback
@@ -379,6 +383,29 @@ def _budget(text: str) -> str:
     return text
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from .measure.estimate import estimate
+
+    plan = Plan.parse(args.plan)
+    _writable(args.json, "--json")
+    factory, batch = load_model(args.model, args.input, args.batch)
+    est = estimate(factory, batch, plan)
+    if args.json:
+        data = {"schema": "shrinkwrap.estimate/1", "model": args.model, "plan": str(plan), "batch": args.batch,
+                "torch_version": torch.__version__, "peak_mib": round(est.peak / 2**20, 1),
+                **{f"{k}_mib": round(v / 2**20, 1) for k, v in est.breakdown().items()},
+                "seconds": round(est.seconds, 1), "notes": list(est.notes)}
+        text = json.dumps(data, indent=2)
+        if args.json == "-":
+            print(text)
+            return 0
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(f"{args.model}, batch {args.batch}, plan: {plan or '(none)'}")
+    print(est)
+    return 0
+
+
 def _fit(args: argparse.Namespace) -> int:
     from .autoplan import autoplan
 
@@ -451,6 +478,13 @@ def _parser() -> argparse.ArgumentParser:
     wrap.add_argument("--ddp", action="store_true", help="after the plan, wrap each rank's model in DistributedDataParallel")
     outputs(prof, iterations=5)
     prof.set_defaults(func=_profile)
+
+    est = sub.add_parser("estimate", help="predict a plan's CUDA peak on the CPU, in seconds, without a GPU")
+    model_args(est)
+    est.add_argument("--plan", default="", help="the plan's text (default: none: the model as it is)")
+    est.add_argument("--json", metavar="FILE", help="write the estimate as JSON ('-': print it instead)")
+    est.add_argument("--debug", action="store_true", help="on an error, the whole traceback, not one line")
+    est.set_defaults(func=_estimate)
 
     fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
     model_args(fit)
