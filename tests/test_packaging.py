@@ -19,7 +19,7 @@ def requirements(names: list[str]) -> dict[str, Requirement]:
 def test_the_test_extra_has_the_third_party_models_and_numpy_stays_out():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     test = requirements(project["optional-dependencies"]["test"])
-    assert {"pytest", "transformers", "efficientnet_pytorch", "accelerate"} <= set(test)  # accelerate: the Trainer
+    assert {"pytest", "transformers", "efficientnet_pytorch", "accelerate", "peft"} <= set(test)  # accelerate: the Trainer
     # 4.50 is the oldest checked to pass; 5.23 is what pip resolves today.
     assert all(test["transformers"].specifier.contains(v) for v in ("4.50.0", "5.23.0"))
     assert not test["transformers"].specifier.contains("4.49.0")
@@ -38,5 +38,6 @@ def test_ci_installs_into_its_own_venv_and_runs_the_readmes_test_command():
     assert pips[-1].endswith('-e ".[test]"') and all(' -c "$scratch/constraints.txt" ' in c for c in pips[1:])
     assert 'echo "torch==2.13.0" > "$scratch/constraints.txt"' in commands
     readme = (ROOT / "README.md").read_text()
-    test_command = re.search(r"Run the tests.*?\n\n    (python3 -m pytest[^\n]*)", readme, re.S).group(1)
+    test_command = re.search(r"The tests, after `pip install -e \"\.\[test\]\"`.*?\n\n    (python3 -m pytest[^\n]*)",
+                             readme, re.S).group(1)
     assert commands[-1] == test_command.replace("python3", '"$python"', 1)

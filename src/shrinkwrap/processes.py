@@ -214,7 +214,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     (:func:`compile_settings`); kernels' tuning is not kept from them. Nothing they run is timed,
     and this process waits until every one has exited.
 
-    On an H100 (torch 2.11, 2026-11-26, ``benchmarks/probes/compile_cache.py``), resnet152 @64's
+    On an H100 (torch 2.11, 2026-11-26), resnet152 @64's
     first two iterations under ``autocast(bf16), compile()`` took 97.0 s cold and 6.4 s from the
     caches; three such plans compiled side by side in 114 s, where one after another took 97-119 s
     each.
