@@ -63,6 +63,25 @@ def plan_of(model_name: str, config: str) -> str:
     return BEST[model_name] if config == "best" else RECIPES[model_name]["small"] if config == "recipe" else config
 
 
+def estimated(model_name: str, config: str, batch: Any) -> dict[str, Any]:
+    """The eager configurations' CUDA peak predicted on this host's CPU (shrinkwrap.estimate)."""
+    if config not in ("fp32_eager", "recipe"):
+        return {}
+    factory, _ = _load(model_name, 1)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = factory()
+        if model_name == "gpt2":
+            model.config.use_cache, model.loss_type = False, "ForCausalLM"
+        elif model_name == "bert":
+            model.config.use_cache = False
+        return model
+
+    est = sw.estimate(make, batch, plan_of(model_name, config) if config == "recipe" else "")
+    return {"estimate_mib": round(est.peak / MiB, 1), "estimate_seconds": round(est.seconds, 1)}
+
+
 def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     make = functools.partial(configured, model_name, config)
     options = sw.Options(device="cuda")
@@ -74,6 +93,7 @@ def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     if reading.profile is None:
         return {**out, "error": reading.error}
     p = reading.profile
+    est = estimated(model_name, config, batch)
     fit = sw.fit(make, batch, sw.Plan(), options, progress=lambda line: print(f"  {model_name} {config}: {line}",
                                                                              flush=True))
     free = fit.uncapped
@@ -84,7 +104,7 @@ def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
             "fit_x_reading": round(fit.cap / p.peak, 3),
             "uncapped_reserved_mib": round(free.reserved / MiB, 1), "uncapped_allocated_mib": round(free.allocated / MiB, 1),
             "uncapped_pools_mib": round((free.pools or 0) / MiB, 1), "probes": len(fit.probes),
-            "fit_seconds": round(fit.seconds, 1)}
+            "fit_seconds": round(fit.seconds, 1), **est}
 
 
 def main() -> int:

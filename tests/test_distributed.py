@@ -314,3 +314,39 @@ def test_profile_command_starts_the_ranks_and_rank_0_prints_every_ranks_figures(
     data = json.loads(out)  # one report: rank 0's, and nothing from rank 1
     assert data["world_size"] == 2 and [r["step"] for r in data["rows"]] == ["baseline", "checkpoint('[34]')"]
     assert all([q["rank"] for q in r["ranks"]] == [0, 1] for r in data["rows"])
+
+
+# -- the optimizer step inside backward -----------------------------------------------------------
+
+
+def _trained_in_backward(wrap: str) -> tuple[list, list] | str:
+    """The plain sharded or replicated model with AdamW, and the same with the step in backward:
+    every parameter, gathered, after three steps; under DDP the message it refuses with."""
+    plain, model = net(F64), net(F64)
+    sw.apply(model, "step_in_backward(torch.optim.AdamW, options={'lr': 0.01})")
+    handle = sw.optimizer(model)
+    plain, model = WRAPS[wrap](plain), WRAPS[wrap](model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.01, foreach=False)
+    b = batch(F64)
+    for m, o in ((plain, opt), (model, handle)):
+        for step in range(3):
+            torch.manual_seed(step)  # dropout: the same masks for both
+            o.zero_grad()
+            try:
+                loss(m(**b)).backward()
+            except RuntimeError as exc:
+                return str(exc)
+            o.step()
+    return [full(p) for p in plain.parameters()], [full(p) for p in model.parameters()]
+
+
+def test_the_step_in_backward_under_fsdp2_trains_as_the_plain_sharded_model(ranks):
+    for result in ranks.run(_trained_in_backward, "fsdp"):
+        assert not isinstance(result, str), result
+        plain, stepped = result
+        assert len(plain) == len(stepped) and all(torch.equal(a, b) for a, b in zip(plain, stepped))
+
+
+def test_the_step_in_backward_under_ddp_is_refused(ranks):
+    for said in ranks.run(_trained_in_backward, "ddp"):
+        assert isinstance(said, str) and "before DDP averages it across ranks" in said, said

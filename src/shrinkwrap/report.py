@@ -250,7 +250,9 @@ class Report:
         headers = ["step", ("peak MiB" if cuda else "saved MiB") + (f", max of {world} ranks" if world > 1 else "")]
         headers += [f"rank {r}" for r in range(world)] if world > 1 else []
         headers += ["x base"]
-        headers += ["1st step MiB", "static MiB", "peak-static"] if cuda else ["params+grads+opt MiB"]
+        # The bill's terms apart, so that a row shows which one its step took away: on CUDA at the
+        # peak (gradients only where it came in backward or the step), without CUDA what is held.
+        headers += ["params", "grads", "opt state"] + (["activations"] if cuda else [])
         fits = any(r.fit is not None for r in self.rows)
         headers += ["fits in MiB"] if fits else []
         headers += ["step ms" if cuda else "CPU step ms", "time x base", "matched"]
@@ -262,11 +264,14 @@ class Report:
                 ranks = {q.rank: q for q in p.ranks} if p else {}
                 cells += [_num(_mib(self._metric(ranks[r]))) if r in ranks else "-" for r in range(world)]
             cells += [_num(d["ratio_base"], ratio=True)]
-            if cuda:
-                cells += [_num(_mib(p.first_peak)), _num(_mib(p.static)),
-                          _num(_mib(p.peak - p.static))] if p else ["-"] * 3
+            if p is None:
+                cells += ["-"] * (4 if cuda else 3)
+            elif cuda:
+                at = p.breakdown()
+                cells += [_num(_mib(at["parameters"])), _num(_mib(at["gradients"])), _num(_mib(at["optimizer_state"])),
+                          _num(_mib(at["activations_other"]))]
             else:
-                cells += [_num(_mib(p.parameters + p.gradients + p.optimizer_state))] if p else ["-"]
+                cells += [_num(_mib(p.parameters)), _num(_mib(p.gradients)), _num(_mib(p.optimizer_state))]
             cells += [_num(_mib(row.fit.cap)) if row.fit else "-"] if fits else []
             cells += [_num(d["step_ms"]), _num(d["step_ratio"], ratio=True), _matched(row)]
             body.append(cells)

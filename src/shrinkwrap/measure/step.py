@@ -185,15 +185,36 @@ class Profile:
 # -- batch, loss, optimizer ----------------------------------------------------------------
 
 
-def _bytes(ts: Iterable[torch.Tensor | None]) -> int:
+def _bytes(ts: Iterable[torch.Tensor | None], device: torch.device | None = None) -> int:
     """Total size of the unique storages behind ``tensors`` (tied weights counted once); of a
-    DTensor, this rank's shard."""
+    DTensor, this rank's shard; on ``device`` only, where given. A gradient the optimizer step in
+    backward used and dropped holds nothing."""
     seen: dict[int, int] = {}
     for t in ts:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not _dropped(t) and (device is None or _same_device(t.device, device)):
             storage = local(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _dropped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the stand-in a gradient leaves once the optimizer step in backward used it."""
+    return getattr(type(getattr(t, "_local_tensor", t)), "_sw_consumed", False)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def in_backward(model: nn.Module) -> Any:
+    """The optimizer-shaped handle of a model whose optimizer steps inside backward (the root, or
+    the module a parallel wrapper holds), or None: the harness steps through it, not through an
+    optimizer of its own, which would step every parameter a second time."""
+    for m in (model, *model.children()):
+        handle = m.__dict__.get("_sw_optimizer")
+        if handle is not None:
+            return handle
+    return None
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -365,11 +386,15 @@ def restored(model: nn.Module) -> Iterator[nn.Module]:
                 if t is not None:
                     # Of a gradient only the values: holding the tensor would keep it on the device,
                     # and in the measured peak, through the whole measurement.
-                    grad = _copy(t.grad)[1:] if t.grad is not None else None
+                    grad = _copy(t.grad)[1:] if t.grad is not None and not _dropped(t.grad) else None
                     slots.append((table, key, _copy(t), grad))
+    handle = in_backward(model)
+    states = _cpu_copy(handle.state_dict()) if handle is not None else None
     try:
         yield model
     finally:
+        if handle is not None:
+            handle.load_state_dict(states)  # the iterations stepped the model's own optimizer
         with torch.no_grad():
             for table, key, (t, dev, value), grad in slots:
                 table[key] = t  # a forward may have swapped a buffer for a new tensor
@@ -382,6 +407,10 @@ def restored(model: nn.Module) -> Iterator[nn.Module]:
                     t.grad = grad[1].to(grad[0])
         for m, mode in flags:
             m.training = mode
+
+
+def _cpu_copy(state: Any) -> Any:
+    return tree_map(lambda t: t.detach().to("cpu", copy=True), state)
 
 
 def _copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Tensor]:
@@ -484,7 +513,7 @@ def _setup(model: nn.Module, batch: Any, options: Options, device: torch.device)
     """The model on ``device`` in training mode, and an iteration with a fresh optimizer."""
     model.to(device).train()
     batch = tree_map(lambda t: t.to(device), batch)
-    opt = (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
+    opt = in_backward(model) or (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
     grad_scaler = needs_grad_scaler(model) if options.grad_scaler is None else options.grad_scaler
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
     return _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler), batch
@@ -556,7 +585,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         saved=saved.bytes if saved is not None else None,
         parameters=_bytes([*model.parameters(), *model.buffers()]),
         gradients=_bytes(p.grad for p in model.parameters()),
-        optimizer_state=_bytes(t for s in opt.state.values() for t in tensors(s)),
+        optimizer_state=_bytes((t for s in opt.state.values() for t in tensors(s)), device),
         batch=_bytes(tensors(batch)),
         step_ms=statistics.median(times),
         step_times_ms=times,
@@ -699,8 +728,8 @@ def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tupl
         return any(a <= at < b for a, b in spans)
 
     pools = [(s["address"], s["address"] + s["total_size"]) for s in segments]
-    return sum(b - a for a, b in pools), _bytes(g for g in grads if g is not None and within(g, pools)
-                                                and not within(g, counted))
+    return sum(b - a for a, b in pools), _bytes(g for g in grads if g is not None and not _dropped(g)
+                                                and within(g, pools) and not within(g, counted))
 
 
 def _graph_trees(device: torch.device) -> int | None:

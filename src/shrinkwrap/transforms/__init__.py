@@ -3,7 +3,7 @@
 
 import importlib
 
-FAMILIES = ("checkpoint", "activations", "swiglu", "precision", "layout", "offload", "lm_head", "compile")
+FAMILIES = ("checkpoint", "activations", "swiglu", "precision", "layout", "offload", "lm_head", "optimizer", "compile")
 
 __all__: list[str] = []
 for _family in FAMILIES:

@@ -1,0 +1,249 @@
+"""The whole memory bill of fine-tuning a language model: parameters, gradients, optimizer state and
+activations, row by row, on one GPU.
+
+    python benchmarks/bill.py rows --json bill.json          # the ~0.5B rows, each measured in a fresh process
+    python benchmarks/bill.py times --json bill.json         # their step times in turns in one process
+    python benchmarks/bill.py curves --steps 200 --json ...  # loss over 200 steps: exact against lossy
+    python benchmarks/bill.py headline --json bill.json      # a Llama-3.2-3B-shaped model under 16 and 10 GiB
+
+The ~0.5B model is Qwen2-0.5B's shape (24 layers, hidden 896, 151,936 vocabulary, tied embeddings,
+494M parameters), random init, at 4x2048 tokens; AdamW. Rows (``PLANS``): today's best activation
+plan (``best``), then the same with the optimizer step inside backward (``in_backward``), with its
+state on the CPU (``state_cpu``), with bf16 weights and the float32 master copy and state on the
+CPU (``bf16_state_cpu``), lossy all on the GPU (bf16 weights, 8-bit state, stochastic rounding:
+``lossy``), and torchao's ``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where
+torchao is importable: carried as a wheel). Memory from ``shrinkwrap.measure`` in a fresh process
+per row (the steady step's peak, by kind); bytes per parameter on the GPU beside activations are
+(peak - activations) / parameters. Times in turns in one process (``shrinkwrap.time_interleaved``),
+tokens per second from the median. The loss curves train on real text at hand offline: the Python
+source of the installed torch package, byte-tokenized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+
+MiB, GiB = 2**20, 2**30
+DEVICE = "cuda"
+BATCH, SEQ = 4, 2048
+ACT = r"checkpoint(r'model\.layers\.\d+'), swiglu(), chunked_loss(), autocast(torch.bfloat16)"
+LR = "{'lr': 0.0001, 'weight_decay': 0.01}"
+PLANS = {
+    "best": ACT,
+    "in_backward": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR})",
+    "state_cpu": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu')",
+    "bf16_state_cpu": f"half(torch.bfloat16), {ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu')",
+    "lossy": f"half(torch.bfloat16), {ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
+}
+
+
+def qwen05b_config() -> Any:
+    import transformers
+
+    return transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                    max_position_embeddings=SEQ, use_cache=False)
+
+
+def llama3b_config() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                    num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+                                    max_position_embeddings=SEQ, use_cache=False)
+
+
+def build(config_name: str) -> nn.Module:
+    """The model on the GPU, built on the meta device and initialised there (no host copy)."""
+    import transformers
+
+    config = {"qwen05b": qwen05b_config, "llama3b": llama3b_config}[config_name]()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for m in model.modules():  # rotary frequencies: computed in __init__, empty after the meta device
+            if "inv_freq" in m._buffers:
+                with torch.device(DEVICE):
+                    fresh = type(m)(config=config)
+                for key, value in fresh._buffers.items():
+                    m._buffers[key] = value
+                m.__dict__.update({k: v for k, v in fresh.__dict__.items() if isinstance(v, torch.Tensor)})
+    model.tie_weights()
+    return model
+
+
+def planned(config_name: str, plan: str) -> nn.Module:
+    return sw.apply(build(config_name), plan)
+
+
+def torchao_offload(params: Any) -> torch.optim.Optimizer:
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
+
+
+def batch(vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _stamp() -> dict:
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+
+
+def _figures(name: str, plan: str, prof: Any, params: int) -> dict:
+    at = prof.breakdown()
+    act = at["activations_other"]
+    return {"config": name, "plan": plan, "peak_mib": round(prof.peak / MiB, 1),
+            "parameters_mib": round(at["parameters"] / MiB, 1), "gradients_mib": round(at["gradients"] / MiB, 1),
+            "optimizer_state_mib": round(at["optimizer_state"] / MiB, 1), "activations_mib": round(act / MiB, 1),
+            "bytes_per_parameter": round((prof.peak - act) / params, 2), "step_ms": round(prof.step_ms, 1),
+            "transfers_mib": {k: round(v / MiB, 1) for k, v in prof.transfers.items()}, **_stamp()}
+
+
+def rows(config_name: str, names: list[str]) -> list[dict]:
+    """Each row measured in a fresh process (shrinkwrap's isolated rows)."""
+    out = []
+    vocab = {"qwen05b": 151936, "llama3b": 128256}[config_name]
+    for name in names:
+        options = sw.Options(device="cuda", iterations=3, warmup=2)
+        if name == "torchao_offload":
+            options = sw.Options(device="cuda", iterations=3, warmup=2, optimizer=torchao_offload)
+            plan = PLANS["best"]
+        else:
+            plan = PLANS[name]
+        make = functools.partial(planned, config_name, plan)
+        report = sw.compare.measure_plans(make, [sw.Plan()], batch(vocab), options, isolate=True, fit=False)
+        row = report.rows[0]
+        params = sum(p.numel() for p in build_meta(config_name).parameters())
+        if row.profile is None:
+            out.append({"model": config_name, "config": name, "plan": plan, "error": row.error, **_stamp()})
+        else:
+            out.append({"model": config_name, **_figures(name, plan, row.profile, params)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+@functools.lru_cache(None)
+def build_meta(config_name: str) -> nn.Module:
+    import transformers
+
+    config = {"qwen05b": qwen05b_config, "llama3b": llama3b_config}[config_name]()
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def times(config_name: str, names: list[str], rounds: int) -> list[dict]:
+    """Step times in turns in this process; tokens per second from the medians."""
+    models = {}
+    optimizers = {}
+    for name in names:
+        plan = PLANS["best" if name == "torchao_offload" else name]
+        models[name] = planned(config_name, plan)
+    vocab = {"qwen05b": 151936, "llama3b": 128256}[config_name]
+    out = []
+    # time_interleaved makes one optimizer per model from the options: torchao's row needs its own.
+    plain = {k: v for k, v in models.items() if k != "torchao_offload"}
+    timing = sw.time_interleaved(plain, batch(vocab), sw.Options(device="cuda", warmup=2), rounds=rounds, per_round=2)
+    if "torchao_offload" in models:
+        timing.update(sw.time_interleaved({"torchao_offload": models["torchao_offload"], "best": models["best"]},
+                                          batch(vocab), sw.Options(device="cuda", warmup=2, optimizer=torchao_offload),
+                                          rounds=rounds, per_round=2))
+    base = timing["best"].median
+    for name, t in timing.items():
+        out.append({"model": config_name, "config": name, "step_ms": round(t.median, 1),
+                    "step_ms_low": round(min(t.rounds_ms), 1), "step_ms_high": round(max(t.rounds_ms), 1),
+                    "tokens_per_s": round(BATCH * SEQ / t.median * 1e3), "x_best": round(t.median / base, 3),
+                    "rounds": len(t.rounds_ms), **_stamp()})
+        print(json.dumps(out[-1]), flush=True)
+    del optimizers
+    return out
+
+
+def text_tokens() -> torch.Tensor:
+    """Real text at hand offline: the installed torch package's Python source, as bytes."""
+    root = Path(torch.__file__).parent
+    data = b"".join(p.read_bytes() for p in sorted(root.glob("nn/modules/*.py")))
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def curves(config_name: str, steps: int) -> list[dict]:
+    """The loss of each step over ``steps`` steps of real text, the exact plan against the lossy one."""
+    tokens = text_tokens()
+    per = BATCH * SEQ
+    out = []
+    for name, plan in (("in_backward", PLANS["in_backward"]), ("lossy", PLANS["lossy"])):
+        model = planned(config_name, plan)
+        opt = sw.optimizer(model)
+        losses = []
+        for step in range(steps):
+            start = (step * per) % (len(tokens) - per - 1)
+            ids = tokens[start:start + per].view(BATCH, SEQ).cuda()
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses.append(round(loss.item(), 4))
+        out.append({"model": config_name, "config": name, "plan": plan, "losses": losses, "steps": steps,
+                    "text": "torch/nn/modules/*.py, bytes", **_stamp()})
+        print(json.dumps({k: v for k, v in out[-1].items() if k != "losses"} | {"first": losses[:3],
+                          "last": losses[-3:]}), flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["rows", "times", "curves", "headline"])
+    parser.add_argument("--configs", default="best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    args = parser.parse_args()
+    names = args.configs.split(",")
+    if "torchao_offload" in names:
+        try:
+            import torchao.optim  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - not installed here: the row is left out, and said so
+            print(f"torchao not importable ({type(exc).__name__}: {exc}); its row is left out", flush=True)
+            names.remove("torchao_offload")
+    if args.what == "rows":
+        result = rows("qwen05b", names)
+    elif args.what == "times":
+        result = times("qwen05b", names, args.rounds)
+    elif args.what == "curves":
+        result = curves("qwen05b", args.steps)
+    else:
+        result = rows("llama3b", [n for n in names if n in ("state_cpu", "bf16_state_cpu")])
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

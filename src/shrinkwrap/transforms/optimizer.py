@@ -1,0 +1,579 @@
+"""The optimizer's share of the bill: its step inside backward, its state off the GPU, and smaller state.
+
+A training iteration's peak holds, besides activations, the parameters, their gradients and the
+optimizer's state: 16 bytes a parameter for float32 AdamW. :class:`StepInBackward`
+(``step_in_backward(optimizer=torch.optim.AdamW, options=(), state="device")``) takes the gradient
+term away, and with ``state="cpu"`` the state too:
+
+- **In backward** (exact). Each parameter gets an optimizer of its own (the class and options
+  given, ``torch.optim``'s or any other), stepped as soon as its gradient is accumulated
+  (``Tensor.register_post_accumulate_grad_hook``; FSDP2 runs these hooks on the sharded gradient
+  it reduced), and the gradient is dropped at once: no parameter's gradient waits for the others,
+  and the optimizer's multi-tensor temporaries, parameter-sized, are one parameter's. The weights
+  after N iterations are the plain loop's bit for bit (a per-parameter step computes what the
+  loop's single-tensor step computes; ``foreach`` is off for both).
+- **State on the CPU** (``state="cpu"``, exact). Each parameter's optimizer state, and a copy of
+  it (float32 where the parameter is half: the master copy), lives in pinned CPU memory; its
+  gradient goes down on a side stream as backward produces it, a worker thread steps it on the
+  CPU while backward goes on, and the updated weight comes back on another stream. The model's
+  next forward, and the handle's ``step()``, wait for every update. Equal to the GPU optimizer's
+  result to rounding (the CPU's kernels).
+- **Smaller state and weights** (lossy, opt-in: ``optimizer=shrinkwrap.LowBitAdamW``).
+  :class:`LowBitAdamW` keeps AdamW's two moments in 8 bits a value (blocks of 256 with a float32
+  scale each, square-root companded: 2 bytes a parameter where float32 takes 8) and, for a bf16
+  parameter, writes the float32 update back with stochastic rounding instead of keeping a float32
+  master copy. With ``half(torch.bfloat16)`` a parameter costs 4 bytes on the GPU with its state.
+
+The user's loop keeps working through the model's optimizer-shaped handle, :func:`optimizer`
+(a ``torch.optim.Optimizer``): its ``param_groups`` are the per-parameter optimizers' own (an LR
+scheduler drives them), ``state_dict``/``load_state_dict`` round-trip, and ``step()`` and
+``zero_grad()`` are safe to call (``step`` waits for CPU updates; ``zero_grad`` clears what
+backward left). What cannot work is refused, never silently wrong: after backward each parameter's
+``.grad`` is a stand-in with no data (:class:`Consumed`) that keeps the gradient's norm: a loop or
+the Trainer logging the global norm gets it, ``clip_grad_norm_`` within its limit changes
+nothing, and clipping that would scale the gradients, reading a gradient's values, and
+accumulating gradients over several backwards (the next backward adds to the stand-in) raise,
+naming the step. DDP (gradients averaged across ranks after the hook) is refused at the first
+backward.
+
+Example::
+
+    >>> sw.apply(model, "step_in_backward(torch.optim.AdamW, options={'lr': 1e-4, 'weight_decay': 0.01})")
+    >>> opt = sw.optimizer(model)                 # for the loop, a scheduler, checkpoints
+    >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
+    >>> for batch in data:
+    ...     model(**batch).loss.backward()        # each parameter is updated here
+    ...     opt.step(); opt.zero_grad(); sched.step()
+"""
+
+from __future__ import annotations
+
+__all__ = ["StepInBackward", "InBackward", "LowBitAdamW", "apply_step_in_backward", "optimizer"]
+
+import concurrent.futures
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import _rewrite
+from ..select import require_module
+from ..step import Step, Targets
+
+_HANDLE = "_sw_optimizer"  # where the root keeps its handle: the measuring harness reads it (no import)
+
+
+def _message(what: str) -> str:
+    return (f"shrinkwrap: {what}: this model's optimizer steps inside backward (step_in_backward()), and each "
+            "parameter's gradient was used and dropped there. Global-norm clipping, reading gradients and "
+            "accumulating them over several backwards cannot work with it: call the handle's zero_grad() "
+            "(sw.optimizer(model).zero_grad()) after each backward, and for clipping or accumulation leave "
+            "step_in_backward() out of the plan (shrinkwrap.revert(model)).")
+
+
+class Consumed(torch.Tensor):
+    """What ``.grad`` holds after the step in backward used it: a tensor of the gradient's shape,
+    dtype and device with no data, and the gradient's 2-norm, kept before it was dropped. Its norm
+    is answered (a loop or the Trainer logging it, ``clip_grad_norm_`` reading it), and clipping by
+    a factor of exactly 1 (a norm within the limit) changes nothing; anything else raises, naming
+    the step: clipping that would act, reading the values, accumulating into it."""
+
+    _sw_consumed = True
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, norm: torch.Tensor, device: torch.device | None = None) -> "Consumed":
+        out = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device or like.device)
+        out._sw_norm = norm
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        if name == "linalg_vector_norm" and _two(args, kwargs, 1) and isinstance(args[0], Consumed):
+            return args[0]._sw_norm.to(kwargs.get("dtype") or args[0].dtype)
+        if name == "_foreach_norm" and _two(args, kwargs, 1) and all(isinstance(t, Consumed) for t in args[0]):
+            return [t._sw_norm.to(kwargs.get("dtype") or t.dtype) for t in args[0]]
+        if name in _VIEWS:  # what a DTensor makes of its shard: another stand-in, the same norm
+            meta = func(torch.empty(args[0].shape, dtype=args[0].dtype, device="meta"), *args[1:], **kwargs)
+            return Consumed(meta, args[0]._sw_norm, args[0].device)
+        if name in ("mul_", "_foreach_mul_") and _one(args[1]):
+            # Clipping a gradient within the limit: scaled by 1, it is what the step used. (An
+            # in-place op returns its tensor; the foreach one nothing.)
+            return None if name == "_foreach_mul_" else args[0]
+        what = "clipping that would scale the gradients" if name in ("mul_", "_foreach_mul_") else f"{func}"
+        raise RuntimeError(_message(f"{what} on a parameter's gradient"))
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return "<shrinkwrap: a gradient used and dropped by the optimizer step in backward>"
+
+
+_VIEWS = ("view", "alias", "detach", "_unsafe_view")
+
+
+def _two(args: tuple, kwargs: dict, at: int) -> bool:
+    """Whether a norm call asks for the 2-norm (its order, positional at ``at`` or ``ord``)."""
+    order = args[at] if len(args) > at else kwargs.get("ord", 2)
+    return float(order) == 2.0
+
+
+def _one(factor: Any) -> bool:
+    """Whether a scale factor (a number, a one-element tensor, or a list of them) is exactly 1."""
+    factors = factor if isinstance(factor, (list, tuple)) else [factor]
+    return all(float(f.item() if isinstance(f, torch.Tensor) else f) == 1.0 for f in factors)
+
+
+def _consumed(p: torch.Tensor) -> torch.Tensor | None:
+    """The stand-in for ``p``'s gradient, with the gradient's 2-norm: of a DTensor (FSDP2's sharded
+    parameter), a DTensor over a stand-in of this rank's shard."""
+    local = getattr(p, "_local_tensor", None)
+    grad = p.grad if local is None else p.grad._local_tensor
+    norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.promote_types(grad.dtype, torch.float32))
+    if local is None:
+        return Consumed(p, norm)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(Consumed(local, norm), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+_BLOCK = 256  # values that share one scale in LowBitAdamW's state
+
+
+def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) as 8-bit codes of the square root of its magnitude over its block's largest,
+    and the blocks' scales: small values keep more of their precision than a linear code gives."""
+    flat = x.reshape(-1)
+    pad = -flat.numel() % _BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, _BLOCK)
+    scale = blocks.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    root = (blocks.abs() / scale).sqrt_()
+    if signed:
+        codes = (root * 127).round_().mul_(blocks.sign()).to(torch.int8)
+    else:
+        codes = (root * 255).round_().to(torch.uint8)
+    return codes, scale.squeeze(1)
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, like: torch.Tensor, signed: bool) -> torch.Tensor:
+    root = codes.float().div_(127 if signed else 255)
+    values = root.abs().square_().mul_(root.sign() if signed else 1).mul_(scale[:, None])
+    return values.reshape(-1)[: like.numel()].view_as(like)
+
+
+def _stochastic_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` in bf16, each value rounded up or down with the probability of its distance:
+    unbiased, so that updates smaller than bf16's spacing still move the weight on average."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return (bits + noise).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+
+
+class LowBitAdamW(torch.optim.Optimizer):
+    """AdamW with its two moments in 8 bits a value and, for bf16 parameters, stochastic rounding
+    in place of a float32 master copy. Lossy: the moments carry about two significant digits, and
+    a weight's updates are unbiased but noisy. Meant for ``step_in_backward()`` (one parameter a
+    step: its float32 temporaries are one parameter's), usable alone.
+
+    Example::
+
+        >>> sw.apply(model, "half(torch.bfloat16), step_in_backward(shrinkwrap.LowBitAdamW, options={'lr': 1e-4})")
+    """
+
+    lossy = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    zero = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["step"] = 0
+                    state["m"], state["m_scale"] = _quantize(zero, True)
+                    state["v"], state["v_scale"] = _quantize(zero, False)
+                state["step"] += 1
+                t = state["step"]
+                grad = p.grad.float()
+                m = _dequantize(state["m"], state["m_scale"], grad, True).lerp_(grad, 1 - beta1)
+                v = _dequantize(state["v"], state["v_scale"], grad, False).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["m"], state["m_scale"] = _quantize(m, True)
+                state["v"], state["v_scale"] = _quantize(v, False)
+                denom = (v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
+                weight = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+                weight.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** t))
+                p.copy_(_stochastic_round(weight, p.dtype))
+        return loss
+
+
+class _OnCpu:
+    """One parameter's optimizer stepped on the CPU: its float32 copy and gradient buffer in pinned
+    memory (plain memory where there is no CUDA), the optimizer over the copy."""
+
+    def __init__(self, p: torch.Tensor, cls: type, options: dict) -> None:
+        pinned = p.is_cuda
+        # A half parameter's master copy is float32; a float32 or float64 one keeps its dtype.
+        dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+        self.master = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
+        self.master.copy_(p.detach())
+        self.master.requires_grad_(True)
+        self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
+        self.optimizer = cls([self.master], **options)
+        self.ready: torch.cuda.Event | None = None
+
+
+class InBackward(torch.optim.Optimizer):
+    """The optimizer-shaped handle of a model whose optimizer steps inside backward (see the module
+    docstring). A ``torch.optim.Optimizer``: LR schedulers take it, and its ``param_groups`` are
+    the per-parameter optimizers' own groups, one a parameter."""
+
+    def __init__(self, names: list[str], cls: type, options: dict, on_cpu: bool) -> None:
+        # Not Optimizer.__init__: it builds groups of its own. What schedulers and state_dict read:
+        self.defaults = dict(options)
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+        self.names, self.cls, self.options, self.on_cpu = list(names), cls, dict(options), on_cpu
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.hooks: dict[str, Any] = {}
+        self.cpu: dict[str, _OnCpu] = {}
+        self.pending: list[concurrent.futures.Future] = []
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.streams: tuple | None = None
+        self.lock = threading.Lock()
+        self.model: Any = lambda: None  # a weak reference to the model, set by the step
+
+    # -- what torch's Optimizer API reads ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return [self.optimizers[n].param_groups[0] for n in self.names if n in self.optimizers]
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        pass  # Optimizer's own code assigns it; the groups are the per-parameter optimizers'
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        out: dict = {}
+        for n in self.names:
+            if n in self.optimizers:
+                opt = self.optimizers[n]
+                out.update({self.params[n]: s for s in opt.state.values()})
+        return out
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass
+
+    def __getstate__(self) -> dict:
+        raise TypeError("shrinkwrap: the step-in-backward handle is saved through state_dict(), not pickled")
+
+    def __repr__(self) -> str:
+        return (f"InBackward({self.cls.__module__}.{self.cls.__qualname__}, {len(self.names)} parameters, "
+                f"state on the {'CPU' if self.on_cpu else 'device'})")
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Waits for updates on the CPU; steps, as a plain optimizer would, a parameter whose
+        gradient no hook took in backward (one FSDP2 held unsharded when the hooks were placed:
+        it has its hook from now on)."""
+        self.wait()
+        self._rebind()
+        for n, p in self.params.items():
+            if p.grad is not None and not getattr(type(getattr(p.grad, "_local_tensor", p.grad)), "_sw_consumed", False):
+                if self.on_cpu:
+                    self._to_cpu(n, p)
+                else:
+                    self.optimizers[n].step()
+                p.grad = None
+        self.wait()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the stand-ins backward left in ``.grad``, before the next backward."""
+        self._rebind()
+        for p in self.params.values():
+            p.grad = None
+
+    def _rebind(self) -> None:
+        model = self.model()
+        if model is not None:
+            self.bind(model)
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        """As a plain optimizer's, one group a parameter, in the model's parameter order."""
+        self.wait()
+        state, groups = {}, []
+        for i, n in enumerate(self.names):
+            sd = self.optimizers[n].state_dict()
+            if 0 in sd["state"]:
+                state[i] = sd["state"][0]
+            groups.append({**sd["param_groups"][0], "params": [i]})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.names):
+            raise ValueError(f"shrinkwrap: a state_dict of {len(groups)} parameter groups cannot load into the "
+                             f"step-in-backward handle of {len(self.names)} parameters (one group a parameter)")
+        self.wait()
+        for i, (n, g) in enumerate(zip(self.names, groups)):
+            one = {"state": {0: state_dict["state"][i]} if i in state_dict["state"] else {},
+                   "param_groups": [{**g, "params": [0]}]}
+            self.optimizers[n].load_state_dict(one)
+
+    # -- binding parameters ------------------------------------------------------------------------
+    def bind(self, model: nn.Module) -> None:
+        """Give each named parameter an optimizer and the hook, where the model holds another object
+        under that name than last time (first: at apply; again after FSDP2's fully_shard swapped
+        them): its group (the dict a scheduler changes) and state carry over."""
+        named = dict(model.named_parameters())
+        # Under FSDP2 the model holds its sharded parameters between forwards and the unsharded ones
+        # while a module runs: the step takes the sharded one, whose reduced gradient FSDP2 hands to
+        # the hooks.
+        sharded = bool(_rewrite.sharded(model))
+        for n in self.names:
+            p = named.get(n)
+            if p is None or self.params.get(n) is p or (sharded and getattr(p, "_local_tensor", None) is None):
+                continue
+            if n in self.hooks:
+                self.hooks.pop(n).remove()
+            old = self.optimizers.get(n)
+            on = _OnCpu(p, self.cls, self.options) if self.on_cpu else None
+            new = on.optimizer if on else self.cls([p], **self.options)
+            if old is not None:
+                if any(old.state.values()):
+                    raise RuntimeError(f"shrinkwrap: parameter {n!r} was replaced after training began (by "
+                                       f"sharding?); its optimizer state cannot follow it. Shard the model first.")
+                group = old.param_groups[0]
+                group["params"] = new.param_groups[0]["params"]
+                new.param_groups[0] = group  # the dict a scheduler holds
+            if on is not None:
+                self.cpu[n] = on
+            self.optimizers[n], self.params[n] = new, p
+            self.hooks[n] = p.register_post_accumulate_grad_hook(self._hook(n))
+
+    def _hook(self, name: str) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if (torch.distributed.is_available() and torch.distributed.is_initialized()
+                    and torch.distributed.get_world_size() > 1 and getattr(p, "_local_tensor", None) is None):
+                raise RuntimeError(
+                    f"shrinkwrap: step_in_backward() steps {name!r} as its gradient is accumulated, before DDP "
+                    "averages it across ranks: each rank would train on its own gradient. Use FSDP2 "
+                    "(fully_shard), whose reduced gradient the step takes, or leave the step out.")
+            dropped = _consumed(p)  # its norm, before the step uses it
+            if self.on_cpu:
+                self._to_cpu(name, p)
+            else:
+                self.optimizers[name].step()
+            p.grad = dropped
+        return hook
+
+    def _to_cpu(self, name: str, p: torch.Tensor) -> None:
+        on = self.cpu[name]
+        grad = p.grad
+        if p.is_cuda:
+            if self.streams is None:
+                self.streams = (torch.cuda.Stream(p.device), torch.cuda.Stream(p.device))
+            down, up = self.streams
+            down.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(down):
+                on.grad.copy_(grad, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(down)
+            grad.record_stream(down)  # its memory is reused only once the copy is done
+        else:
+            on.grad.copy_(grad)
+            copied = up = None
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
+
+        def step() -> None:
+            if copied is not None:
+                copied.synchronize()
+            on.master.grad = on.grad
+            on.optimizer.step()
+            on.master.grad = None
+            with torch.no_grad():
+                if up is not None:
+                    with torch.cuda.stream(up):
+                        p.data.copy_(on.master, non_blocking=True)
+                        on.ready = torch.cuda.Event()
+                        on.ready.record(up)
+                else:
+                    p.data.copy_(on.master)
+
+        with self.lock:
+            self.pending.append(self.worker.submit(step))
+
+    def wait(self) -> None:
+        """Every CPU step done and its weight back (the compute stream waits for the copies)."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
+        if self.streams is not None:
+            torch.cuda.current_stream(self.streams[1].device).wait_stream(self.streams[1])
+
+    def close(self) -> None:
+        self.wait()
+        for handle in self.hooks.values():
+            handle.remove()
+        self.hooks.clear()
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+
+
+class _Bind:
+    """Forward pre-hook of the root: the weights the CPU steps updated are back before they are
+    used, and parameters replaced since (FSDP2) get their optimizers."""
+
+    def __init__(self, handle: InBackward) -> None:
+        self.handle = handle
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.handle.wait()
+        if torch.is_grad_enabled() and module.training:
+            self.handle.bind(module)
+
+
+@dataclasses.dataclass
+class _Detach:
+    """Undo entry: the handle's hooks removed, its worker stopped, the gradients' stand-ins dropped."""
+
+    handle: InBackward
+
+    def undo(self, model: nn.Module) -> None:
+        self.handle.close()
+        self.handle.zero_grad()
+        model.__dict__.pop(_HANDLE, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInBackward(Step):
+    """Step: the optimizer steps each parameter inside backward, as its gradient is accumulated,
+    and drops the gradient; with ``state="cpu"`` its state lives in CPU memory and the step runs
+    there, overlapped with backward. See the module docstring for what is exact and what is refused.
+
+    Args:
+        optimizer: the optimizer class (any ``torch.optim.Optimizer``), built once a parameter.
+        options: its keyword arguments, as a dict or pairs: ``{'lr': 1e-4, 'weight_decay': 0.01}``.
+        state: ``"device"`` (the state beside the parameter) or ``"cpu"``.
+
+    Example::
+
+        >>> sw.apply(model, sw.step_in_backward(torch.optim.AdamW, {"lr": 1e-4}, state="cpu"))
+        >>> sw.optimizer(model)   # the handle for the loop
+    """
+
+    name = "step_in_backward"
+    order = 70
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        """Lossy where its optimizer says so (:class:`LowBitAdamW`)."""
+        return bool(getattr(self.optimizer, "lossy", False))
+
+    optimizer: type = torch.optim.AdamW
+    options: Any = ()
+    state: str = "device"
+
+    def __post_init__(self) -> None:
+        options = self.options
+        if isinstance(options, dict):
+            options = tuple(sorted(options.items()))
+        if not (isinstance(options, tuple) and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+                                                    for o in options)):
+            raise TypeError(f"shrinkwrap: step_in_backward() takes options= a dict of the optimizer's keyword "
+                            f"arguments, e.g. {{'lr': 1e-4}}; got {self.options!r}")
+        object.__setattr__(self, "options", options)
+        super().__post_init__()
+        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+            raise TypeError(f"shrinkwrap: step_in_backward() takes optimizer= an optimizer class such as "
+                            f"torch.optim.AdamW; got {self.optimizer!r}")
+        if self.state not in ("device", "cpu"):
+            raise ValueError(f"shrinkwrap: step_in_backward(state={self.state!r}): state is 'device' or 'cpu'")
+        if "foreach" in dict(options) or "fused" in dict(options):
+            raise ValueError("shrinkwrap: step_in_backward() steps one parameter at a time; leave foreach= and "
+                             "fused= out of its options")
+
+    def __str__(self) -> str:
+        cls = self.optimizer
+        short = getattr(torch.optim, cls.__name__, None) is cls
+        parts = [f"torch.optim.{cls.__name__}" if short else f"{cls.__module__}.{cls.__qualname__}"]
+        if self.options:
+            parts.append("options={" + ", ".join(f"{k!r}: {v!r}" for k, v in self.options) + "}")
+        if self.state != "device":
+            parts.append(f"state={self.state!r}")
+        return f"{self.name}({', '.join(parts)})"
+
+    def targets(self, model: nn.Module) -> Targets:
+        if _HANDLE in model.__dict__:
+            return Targets()  # applied already
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if not names:
+            raise ValueError(f"shrinkwrap: step_in_backward() found no parameter that requires grad in "
+                             f"{type(model).__name__}")
+        try:
+            self.optimizer([torch.zeros(1, requires_grad=True)], **dict(self.options))
+        except Exception as exc:  # noqa: BLE001 - the optimizer's own message, before any change
+            raise ValueError(f"shrinkwrap: {self}: the optimizer refuses its options: {exc}") from None
+        return Targets([""], payload=names)
+
+    def rewrite(self, model: nn.Module, targets: Targets) -> list:
+        if not targets.matched:
+            return []
+        # One parameter a step: foreach would group it with none, and fused runs on CUDA only.
+        options = {**dict(self.options), "foreach": False}
+        handle = InBackward(targets.payload, self.optimizer, options, self.state == "cpu")
+        handle.model = weakref.ref(model)
+        handle.bind(model)
+        model.__dict__[_HANDLE] = handle
+        hook = _rewrite.Hooked(model.register_forward_pre_hook(_Bind(handle)))
+        return [_Detach(handle), hook]
+
+
+def optimizer(model: nn.Module) -> InBackward:
+    """The optimizer-shaped handle of a model with ``step_in_backward()``: give it to the loop, an
+    LR scheduler, the Hugging Face Trainer (``optimizers=(handle, scheduler)``), a checkpoint.
+
+    Example::
+
+        >>> opt = sw.optimizer(model); sched = torch.optim.lr_scheduler.StepLR(opt, 100)
+    """
+    handle = require_module(model, "optimizer()").__dict__.get(_HANDLE)
+    if handle is None:
+        raise ValueError(f"shrinkwrap: {type(model).__name__} has no step_in_backward(); apply it first, or make "
+                         "an optimizer of your own")
+    return handle
+
+
+def apply_step_in_backward(model: nn.Module, optimizer: type = torch.optim.AdamW, options: Any = (),
+                           state: str = "device") -> nn.Module:
+    """Step ``model``'s optimizer inside backward, in place; return ``model`` (see :class:`StepInBackward`).
+
+    Example::
+
+        >>> apply_step_in_backward(model, torch.optim.AdamW, {"lr": 1e-4}); opt = sw.optimizer(model)
+    """
+    return StepInBackward(optimizer, options, state).apply(require_module(model, "apply_step_in_backward()"))

@@ -1,0 +1,248 @@
+"""step_in_backward: the optimizer steps each parameter inside backward and drops its gradient.
+
+Exact against the plain loop (AdamW with foreach off, which computes one tensor at a time as the
+per-parameter optimizers do): weights bit for bit after N iterations, float64 and float32, with and
+without checkpoint regions, with an LR scheduler driving the handle, across a state_dict save and
+load; the state on the CPU alike. What cannot work raises, naming the step: global-norm clipping,
+using a gradient, accumulating gradients over backwards, DDP. The measuring harness steps through
+the handle and shows the gradient term gone; the Hugging Face Trainer trains, saves and resumes
+with the handle. FSDP2 on two ranks: tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from toymodels import Net
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+OPTIONS = {"lr": 0.01, "weight_decay": 0.1}
+
+
+def plain_loop(model, batch, steps, scheduler=True):
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIONS)
+    return _loop(model, opt, batch, steps, scheduler)
+
+
+def _loop(model, opt, batch, steps, scheduler=True):
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if scheduler else None
+    losses = []
+    for _ in range(steps):
+        torch.manual_seed(3)  # dropout
+        opt.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def in_backward(model, plan):
+    sw.apply(model, plan)
+    return sw.optimizer(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("plan", ["", r"checkpoint(r'layer[12]'), "])
+@pytest.mark.parametrize("state", ["device", "cpu"])
+def test_weights_after_n_steps_are_the_plain_loop_s_bit_for_bit(dtype, plan, state):
+    torch.manual_seed(0)
+    ref = Net().to(dtype)
+    model = copy.deepcopy(ref)
+    batch = torch.randn(4, 3, 8, 8, dtype=dtype)
+    want = plain_loop(ref, batch, 5)
+    opt = in_backward(model, plan + f"step_in_backward(torch.optim.AdamW, options={OPTIONS}, state='{state}')")
+    got = _loop(model, opt, batch, 5)
+    assert [a.item() for a in want] == [b.item() for b in got]
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** 2
+
+
+def test_a_checkpoint_of_the_handle_resumes_training_exactly(tmp_path):
+    torch.manual_seed(0)
+    plan = f"step_in_backward(torch.optim.AdamW, options={OPTIONS})"
+    ref = Net().double()
+    batch = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    model = copy.deepcopy(ref)
+    want = plain_loop(ref, batch, 6, scheduler=False)
+    opt = in_backward(model, plan)
+    first = _loop(model, opt, batch, 3, scheduler=False)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    resumed = Net().double()
+    opt2 = in_backward(resumed, plan)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optimizer"])
+    assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    rest = _loop(resumed, opt2, batch, 3, scheduler=False)
+    assert [a.item() for a in want] == [b.item() for b in first + rest]
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), resumed.parameters()))
+
+
+def _stepped(state="device"):
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, state='{state}')")
+    model(torch.randn(4, 3, 8, 8, dtype=torch.float64)).sum().backward()
+    return model, opt
+
+
+def test_the_global_norm_is_the_plain_model_s_and_clipping_within_it_changes_nothing():
+    torch.manual_seed(0)
+    ref = Net().double()
+    model = copy.deepcopy(ref)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    torch.manual_seed(5)  # dropout
+    ref(x).sum().backward()
+    opt = in_backward(model, "step_in_backward(torch.optim.SGD, options={'lr': 0.0})")  # lr 0: weights stay
+    torch.manual_seed(5)
+    model(x).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    for foreach in (False, True):
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), foreach=foreach)
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2 * want.item(), foreach=foreach)  # within: a no-op
+
+
+@pytest.mark.parametrize("use", ["clip_grad_norm_", "read", "accumulate"])
+def test_what_cannot_work_with_the_gradient_gone_raises_naming_the_step(use):
+    model, opt = _stepped()
+    with pytest.raises(RuntimeError, match=r"shrinkwrap: .* this model's optimizer steps inside backward "
+                                           r"\(step_in_backward\(\)\)"):
+        if use == "clip_grad_norm_":  # a norm over the limit: clipping would have scaled what the step used
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-6)
+        elif use == "read":
+            model.head.weight.grad.abs().max()
+        else:  # a second backward without zero_grad: accumulation
+            model(torch.randn(4, 3, 8, 8, dtype=torch.float64)).sum().backward()
+    assert "used and dropped" in repr(model.head.weight.grad)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_revert_stops_stepping_and_drops_the_handle():
+    model, opt = _stepped("cpu")
+    sw.revert(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 3, 8, 8, dtype=torch.float64)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step in backward any more
+    assert all(p.grad is not None and not hasattr(p.grad, "_sw_consumed") for p in model.parameters())
+    with pytest.raises(ValueError, match="has no step_in_backward"):
+        sw.optimizer(model)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("step_in_backward(torch.nn.Linear)", "optimizer= an optimizer class"),
+    ("step_in_backward(options=5)", "options= a dict"),
+    ("step_in_backward(state='disk')", "state is 'device' or 'cpu'"),
+    ("step_in_backward(options={'foreach': True})", "leave foreach= and fused= out"),
+])
+def test_bad_arguments_are_refused(bad, message):
+    with pytest.raises((TypeError, ValueError, sw.PlanError), match=message):
+        sw.Plan.parse(bad)
+
+
+def test_the_plan_text_round_trips():
+    step = sw.step_in_backward(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, state="cpu")
+    assert str(step) == "step_in_backward(torch.optim.SGD, options={'lr': 0.1, 'momentum': 0.9}, state='cpu')"
+    assert sw.Plan.parse(str(step)).steps == (step,)
+
+
+def test_measure_steps_through_the_handle_shows_no_gradient_term_and_restores_the_state():
+    torch.manual_seed(0)
+    model = Net()
+    opt = in_backward(model, "step_in_backward(torch.optim.AdamW)")
+    _loop(model, opt, torch.randn(4, 3, 8, 8), 2, scheduler=False)
+    state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items() if isinstance(v, torch.Tensor)}
+    weights = [p.detach().clone() for p in model.parameters()]
+    prof = sw.measure(model, torch.randn(4, 3, 8, 8), device="cpu")
+    assert prof.gradients == 0 and prof.optimizer_state > 0
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(v, after[k]) for k, v in state.items())  # its iterations stepped a copy's worth, undone
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_the_trainer_trains_saves_and_resumes_with_the_handle(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    def model():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+        return sw.apply(transformers.GPT2LMHeadModel(config), "step_in_backward(torch.optim.AdamW, options={'lr': 0.01})")
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 100, (16, 16), generator=g)]
+
+    def train(m, steps, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, max_grad_norm=0.0,
+            report_to=[], use_cpu=True, save_strategy="steps", save_steps=2, logging_strategy="no", seed=0)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=data, optimizers=(sw.optimizer(m), None))
+        trainer.train(resume_from_checkpoint=resume)
+        return m
+
+    whole = train(model(), 4)
+    import shutil
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")
+    resumed = train(model(), 4, resume=str(tmp_path / "out" / "checkpoint-2"))
+    for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    with pytest.raises(RuntimeError, match="clipping that would scale the gradients"):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "o2"), per_device_train_batch_size=4,
+                                              max_steps=1, max_grad_norm=1e-6, report_to=[], use_cpu=True,
+                                              save_strategy="no")
+        m = model()
+        transformers.Trainer(model=m, args=args, train_dataset=data, optimizers=(sw.optimizer(m), None)).train()
+
+
+# -- smaller state and weights (lossy) --------------------------------------------------------------
+
+
+def test_low_bit_state_keeps_the_moments_to_a_percent_and_costs_two_bytes_a_parameter():
+    from shrinkwrap.transforms.optimizer import _dequantize, _quantize
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(10_000, generator=g) * 1e-3
+    v = torch.rand(10_000, generator=g) * 1e-6
+    for x, signed in ((m, True), (v, False)):
+        codes, scale = _quantize(x, signed)
+        back = _dequantize(codes, scale, x, signed)
+        assert ((back - x).norm() / x.norm()).item() < 0.01
+        assert codes.element_size() == 1 and scale.numel() == -(-x.numel() // 256)
+
+
+def test_stochastic_rounding_is_unbiased_where_bf16_cannot_hold_the_update():
+    from shrinkwrap.transforms.optimizer import _stochastic_round
+
+    x = torch.full((200_000,), 1.0 + 2 ** -10, dtype=torch.float32)  # between two bf16 values (1, 1 + 2**-7)
+    rounded = _stochastic_round(x, torch.bfloat16)
+    assert set(rounded.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(rounded.float().mean().item() - x[0].item()) < 2e-5  # round-to-nearest would give 1.0 always
+
+
+def test_low_bit_adamw_in_bf16_trains_as_adamw_does_to_within_its_loss():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    low = copy.deepcopy(ref)
+    sw.apply(low, "half(torch.bfloat16, keep=()), step_in_backward(shrinkwrap.LowBitAdamW, options={'lr': 0.01})")
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=0.01), sw.optimizer(low)
+    x, y = torch.randn(256, 32), torch.randn(256, 1)
+    for _ in range(150):
+        for m, o in ((ref, opt_ref), (low, opt)):
+            o.zero_grad()
+            (m(x).float() - y).square().mean().backward()
+            o.step()
+    losses = [(m(x).float() - y).square().mean().item() for m in (ref, low)]
+    assert losses[1] < 0.05 and losses[0] < 0.05, losses
+    assert sw.records(low)[-1].step.lossy and not sw.step_in_backward().lossy
+    state = opt.state_dict()["state"][0]
+    assert state["m"].dtype == torch.int8 and state["v"].dtype == torch.uint8

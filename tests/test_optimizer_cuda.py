@@ -1,0 +1,44 @@
+"""On a GPU: the step inside backward takes the gradient term out of the peak, the state on the CPU
+takes the state term too, and both train as the GPU's AdamW (to rounding where the CPU steps)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+
+pytestmark = pytest.mark.cuda
+MiB = 2**20
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)], nn.Linear(2048, 1))
+
+
+def test_the_gradient_and_state_terms_leave_the_peak_and_training_matches_adamw():
+    x = torch.randn(64, 2048)
+    params = sum(p.numel() * 4 for p in mlp().parameters())
+    plain = sw.measure(mlp().cuda(), x, device="cuda")
+    rows = {}
+    for state in ("device", "cpu"):
+        model = sw.apply(mlp().cuda(), f"step_in_backward(torch.optim.AdamW, state='{state}')")
+        rows[state] = sw.measure(model, x, device="cuda")
+    # The plain step holds parameters, gradients and AdamW's two moments: 16 bytes a parameter.
+    assert plain.peak >= 3.5 * params
+    assert rows["device"].peak <= plain.peak - 0.8 * params  # no gradient waits for the others
+    assert rows["cpu"].peak <= 1.6 * params and rows["cpu"].optimizer_state == 0  # the state in CPU memory
+    ref, model = mlp().cuda(), sw.apply(mlp().cuda(), "step_in_backward(torch.optim.AdamW, state='cpu')")
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), foreach=False), sw.optimizer(model)
+    xc = x.cuda()
+    for _ in range(3):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            m(xc).square().mean().backward()
+            o.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
