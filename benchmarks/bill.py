@@ -66,11 +66,14 @@ def llama3b_config() -> Any:
                                     max_position_embeddings=SEQ, use_cache=False)
 
 
+CONFIGS = {"qwen05b": lambda: qwen05b_config(), "llama3b": lambda: llama3b_config()}
+
+
 def build(config_name: str) -> nn.Module:
     """The model on the GPU, built on the meta device and initialised there (no host copy)."""
     import transformers
 
-    config = {"qwen05b": qwen05b_config, "llama3b": llama3b_config}[config_name]()
+    config = CONFIGS[config_name]()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to_empty(device=DEVICE)
@@ -111,10 +114,13 @@ def batch(vocab: int, seed: int = 0) -> dict:
 
 
 def _stamp() -> dict:
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    return {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 
 def _figures(name: str, plan: str, prof: Any, params: int) -> dict:
+    if prof.peak is None:  # no CUDA: what the harness counts there
+        return {"config": name, "plan": plan, "saved_mib": round(prof.saved / MiB, 1), **_stamp()}
     at = prof.breakdown()
     act = at["activations_other"]
     return {"config": name, "plan": plan, "peak_mib": round(prof.peak / MiB, 1),
@@ -127,11 +133,11 @@ def _figures(name: str, plan: str, prof: Any, params: int) -> dict:
 def rows(config_name: str, names: list[str]) -> list[dict]:
     """Each row measured in a fresh process (shrinkwrap's isolated rows)."""
     out = []
-    vocab = {"qwen05b": 151936, "llama3b": 128256}[config_name]
+    vocab = CONFIGS[config_name]().vocab_size
     for name in names:
-        options = sw.Options(device="cuda", iterations=3, warmup=2)
+        options = sw.Options(device=DEVICE, iterations=3, warmup=2)
         if name == "torchao_offload":
-            options = sw.Options(device="cuda", iterations=3, warmup=2, optimizer=torchao_offload)
+            options = sw.Options(device=DEVICE, iterations=3, warmup=2, optimizer=torchao_offload)
             plan = PLANS["best"]
         else:
             plan = PLANS[name]
@@ -151,7 +157,7 @@ def rows(config_name: str, names: list[str]) -> list[dict]:
 def build_meta(config_name: str) -> nn.Module:
     import transformers
 
-    config = {"qwen05b": qwen05b_config, "llama3b": llama3b_config}[config_name]()
+    config = CONFIGS[config_name]()
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -163,14 +169,14 @@ def times(config_name: str, names: list[str], rounds: int) -> list[dict]:
     for name in names:
         plan = PLANS["best" if name == "torchao_offload" else name]
         models[name] = planned(config_name, plan)
-    vocab = {"qwen05b": 151936, "llama3b": 128256}[config_name]
+    vocab = CONFIGS[config_name]().vocab_size
     out = []
     # time_interleaved makes one optimizer per model from the options: torchao's row needs its own.
     plain = {k: v for k, v in models.items() if k != "torchao_offload"}
-    timing = sw.time_interleaved(plain, batch(vocab), sw.Options(device="cuda", warmup=2), rounds=rounds, per_round=2)
+    timing = sw.time_interleaved(plain, batch(vocab), sw.Options(device=DEVICE, warmup=2), rounds=rounds, per_round=2)
     if "torchao_offload" in models:
         timing.update(sw.time_interleaved({"torchao_offload": models["torchao_offload"], "best": models["best"]},
-                                          batch(vocab), sw.Options(device="cuda", warmup=2, optimizer=torchao_offload),
+                                          batch(vocab), sw.Options(device=DEVICE, warmup=2, optimizer=torchao_offload),
                                           rounds=rounds, per_round=2))
     base = timing["best"].median
     for name, t in timing.items():
@@ -201,7 +207,7 @@ def curves(config_name: str, steps: int) -> list[dict]:
         losses = []
         for step in range(steps):
             start = (step * per) % (len(tokens) - per - 1)
-            ids = tokens[start:start + per].view(BATCH, SEQ).cuda()
+            ids = tokens[start:start + per].view(BATCH, SEQ).to(DEVICE)
             opt.zero_grad()
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()

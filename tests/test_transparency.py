@@ -504,3 +504,16 @@ def test_an_ema_of_a_transformed_model_averages_the_same_parameters():
             ema.update_parameters(m)
     assert_equal(emas[0].module.state_dict(), emas[1].module.state_dict(), rtol=1e-12, atol=1e-14)
     assert_equal({"out": emas[0](x)}, {"out": emas[1](x)}, rtol=1e-12, atol=1e-14)
+
+
+def test_the_harness_s_own_hooks_leave_fused_steps_fused():
+    """The measuring harness logs every module through hooks that only read: bn_act still fuses
+    under them (on a CPU its figure is read in that logged iteration), and chunked_loss, which
+    refuses a head with hooks, runs."""
+    batch = images()
+    report = sw.plan_report("bn_act()", lambda: conv_bn_act(nn.SiLU), batch, device="cpu", iterations=1)
+    plain, fused = (row.profile.saved for row in report.rows)
+    assert fused < plain
+    lm = sw.apply(_causal_lm("llama"), "chunked_loss(chunk_size=8)")
+    ids = torch.randint(0, 64, (2, 8))
+    assert sw.measure(lm, {"input_ids": ids, "labels": ids}, device="cpu", iterations=1).saved > 0

@@ -167,11 +167,14 @@ def refuse_functorch(what: str, keeps: str) -> None:
 
 def has_hooks(module: nn.Module) -> bool:
     """Whether forward or backward hooks are registered on ``module`` (a wrapper's are on the
-    module it wraps): a step that computes a module's work without calling it would skip them."""
+    module it wraps): a step that computes a module's work without calling it would skip them.
+    Hooks marked ``_sw_observes`` (the measuring harness's, which only read) do not count: what
+    runs under them must be what runs without them."""
     while True:
-        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks):
-            return True
+        for table in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            if any(not getattr(h, "_sw_observes", False) for h in table.values()):
+                return True
         if not isinstance(module, TransparentWrapper):
             return False
         module = module.wrapped

@@ -54,8 +54,10 @@ class _Hooked:
             for name, module in self.model.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):  # takes no Python hooks
                     continue
-                self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-                self._handles.append(module.register_forward_hook(self._post(name)))
+                for register, hook in ((module.register_forward_pre_hook, self._pre(name)),
+                                       (module.register_forward_hook, self._post(name))):
+                    hook._sw_observes = True  # only reads: the steps that fuse modules still fuse them
+                    self._handles.append(register(hook))
         except BaseException:
             self.__exit__()
             raise
