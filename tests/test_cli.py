@@ -188,7 +188,7 @@ def test_fit_prints_the_report_and_a_plan_profile_accepts(capsys):
     assert main(["fit", model, "--batch", "4", "--budget", "0.6", *FAST]) == 0
     out, _ = capsys.readouterr()
     plan = out.strip().splitlines()[-1].removeprefix("plan: ")
-    assert "baseline" in out and "chosen" in out and "checkpoint(" in plan
+    assert "baseline" in out and "chosen" in out and plan and not plan.startswith("(none")
     assert max(len(line) for line in out.splitlines()) <= 120, out
     assert main(["profile", model, "--batch", "4", "--plan", plan, *FAST]) == 0
 
