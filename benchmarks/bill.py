@@ -130,14 +130,14 @@ def _figures(name: str, plan: str, prof: Any, params: int) -> dict:
             "transfers_mib": {k: round(v / MiB, 1) for k, v in prof.transfers.items()}, **_stamp()}
 
 
-def rows(config_name: str, names: list[str]) -> list[dict]:
+def rows(config_name: str, names: list[str], iterations: int = 3, warmup: int = 2) -> list[dict]:
     """Each row measured in a fresh process (shrinkwrap's isolated rows)."""
     out = []
     vocab = CONFIGS[config_name]().vocab_size
     for name in names:
-        options = sw.Options(device=DEVICE, iterations=3, warmup=2)
+        options = sw.Options(device=DEVICE, iterations=iterations, warmup=warmup)
         if name == "torchao_offload":
-            options = sw.Options(device=DEVICE, iterations=3, warmup=2, optimizer=torchao_offload)
+            options = sw.Options(device=DEVICE, iterations=iterations, warmup=warmup, optimizer=torchao_offload)
             plan = PLANS["best"]
         else:
             plan = PLANS[name]
@@ -244,7 +244,8 @@ def main() -> int:
     elif args.what == "curves":
         result = curves("qwen05b", args.steps)
     else:
-        result = rows("llama3b", [n for n in names if n in ("state_cpu", "bf16_state_cpu")])
+        # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
+        result = rows("llama3b", [n for n in names if n in ("state_cpu", "bf16_state_cpu")], iterations=1, warmup=1)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in result)
