@@ -3,7 +3,7 @@
     python benchmarks/run.py --model resnet18            # one model, every configuration
     python benchmarks/run.py --model bert --configs base_fp32,fast,small
     python benchmarks/run.py --all                       # every model (several GPU runs' worth)
-    python benchmarks/run.py --report                    # RESULTS.md tables and plots from the JSON
+    python benchmarks/run.py --report                    # results.json as a table, and plots
 
 Each configuration runs in its own process (nothing cached by an earlier configuration leaks into
 a later row) and is measured by ``shrinkwrap.measure``: one training step (zero_grad, forward,
@@ -258,7 +258,7 @@ def run_model(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-# -- RESULTS.md ------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------------
 def load_results(path: Path = RESULTS) -> list[dict[str, Any]]:
     """The newest row of each (model, config), in file order."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
@@ -292,15 +292,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             auto = f"{r['autoplan_s']} ({r['candidates']})" if "autoplan_s" in r else ""
             out.append(f"| {r['model']} | {r['config']} | `{r['plan']}` | {auto} |")
     return "\n".join(out)
-
-
-def write_results_md(text: str, path: Path = HERE / "RESULTS.md") -> None:
-    """Put the suite's table between the markers of RESULTS.md (the rest of the file is kept)."""
-    begin, end = "<!-- suite:begin (written by benchmarks/run.py --report) -->", "<!-- suite:end -->"
-    old = path.read_text() if path.exists() else f"# Benchmark results\n\n{begin}\n{end}\n"
-    head, _, rest = old.partition(begin)
-    _, _, tail = rest.partition(end)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
@@ -437,7 +428,8 @@ def main() -> int:
     p.add_argument("--model", choices=list(MODELS))
     p.add_argument("--configs", help="comma-separated configuration names (default: all)")
     p.add_argument("--all", action="store_true", help="every model")
-    p.add_argument("--report", action="store_true", help="print the markdown table of results.json and write plots")
+    p.add_argument("--report", action="store_true", help="print the markdown table of results.json and write plots "
+                   "(benchmarks/results.py writes RESULTS.md)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -447,7 +439,6 @@ def main() -> int:
         rows = load_results()
         text = table(rows)
         print(text)
-        write_results_md(text)
         for model in sorted({r["model"] for r in rows}):
             plot(rows, model, HERE / f"plot_{model}.png")
         return 0

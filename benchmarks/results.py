@@ -1,0 +1,265 @@
+"""benchmarks/RESULTS.md, made from the JSON rows the benchmark scripts write: the current figures
+per model and capability, each with its GPU, torch version and date. History is in git.
+
+    python benchmarks/results.py            # write RESULTS.md
+    python benchmarks/results.py --check    # exit 1 if RESULTS.md is not what the rows make (CI)
+
+A table shows the latest run of what it covers: a model's rows from one run (ratios are within a
+run, never across), and where a script appends several runs, the newest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "RESULTS.md"
+MODELS = ("resnet18", "efficientnet_b0", "resnet152", "gpt2", "bert")
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    path = HERE / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def latest(rows: list[dict], key: Callable[[dict], Any]) -> list[dict]:
+    """The last row written for each ``key``, in the order the keys first appear."""
+    out: "OrderedDict[Any, dict]" = OrderedDict()
+    for r in rows:
+        out.pop(key(r), None)
+        out[key(r)] = r
+    return list(out.values())
+
+
+def num(x: Any, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
+    return "-" if a is None or not b else f"{a / b:.{digits}f}"
+
+
+def table(headers: list[str], rows: Iterable[list[str]]) -> list[str]:
+    esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *("| " + " | ".join(esc(c) for c in r) + " |" for r in rows), ""]
+
+
+def stamp(rows: list[dict]) -> str:
+    seen = sorted({(r.get("gpu") or r.get("device_name") or "?", r.get("torch", "?"), r.get("date", "?")) for r in rows})
+    return "; ".join(f"{g}, torch {t}, {d}" for g, t, d in seen)
+
+
+def code(text: str | None) -> str:
+    return f"`{text}`" if text else "-"
+
+
+# -- what fits ------------------------------------------------------------------------------------
+def fits_section() -> list[str]:
+    rows = latest(load("fits.json"), lambda r: (r["model"], r["config"]))
+    out = ["## What fits", "",
+           "Each configuration's reading (`shrinkwrap.measure`: the steady step's `max_memory_allocated`, in a "
+           "fresh process) beside its fit (`shrinkwrap.fit`: the smallest allocator cap under which a fresh process "
+           "trains its first 8 iterations, compilation and recording included, bisected; the largest cap that "
+           "failed in brackets) and its estimate (`shrinkwrap.estimate`, on the same host's CPU; eager rows). "
+           "`fp32_eager` is the plain `max_memory_allocated` control; `best` is the plan each model's claim against "
+           "compile + bf16 rests on (`benchmarks/fits.py`); `recipe` the eager hand recipe.", ""]
+    body = []
+    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 99)):
+        if "error" in r:
+            body.append([r["model"], r["config"], r["error"], *["-"] * 8])
+            continue
+        est = r.get("estimate_mib")
+        body.append([r["model"], r["config"], num(r["reading_mib"]), num(r["static_mib"]),
+                     f"{num(r['fit_mib'])} ({num(r['fit_below_mib'])})", f"{r['fit_x_reading']:.3f}",
+                     num(r["uncapped_pools_mib"]) if r["cuda_graphs"] else "-",
+                     f"{num(est)} ({ratio(est, r['reading_mib'], 3)})" if est else "-", r["device_name"]])
+    out += table(["model", "config", "reading MiB", "static MiB", "fits in MiB (not under)", "fit x reading",
+                  "graph pools MiB", "estimate MiB (x reading)", "GPU"], body)
+    out += [f"Runs: {stamp(rows)}. Resolution: 1% of the uncapped reservation, at least 16 MiB.", ""]
+    # The claims against compile + bf16, on the fit figure: both sides measured the same way.
+    by = {(r["model"], r["config"]): r for r in rows if "error" not in r}
+    claims = []
+    for m in MODELS:
+        best, anchor = by.get((m, "best")), by.get((m, "compile_bf16"))
+        if best and anchor:
+            fit_act = ratio(best["fit_mib"] - best["static_mib"], anchor["fit_mib"] - anchor["static_mib"])
+            read_act = ratio(best["activation_mib"], anchor["activation_mib"])
+            claims.append([m, code(best["plan"]), read_act, fit_act])
+        else:
+            claims.append([m, "not measured in this run (the fit of its best plan did not finish)", "-", "-"])
+    out += ["Each model's best plan against compile + bf16, above static memory (activation), as its reading and as "
+            "its fit:", ""]
+    out += table(["model", "best plan", "x compile+bf16, reading", "x compile+bf16, fit"], claims)
+    return out
+
+
+# -- the whole memory bill ---------------------------------------------------------------------------
+BILL_TARGETS = {"in_backward": 0.85, "state_cpu": 0.45, "lossy": 0.45}
+BYTES_TARGETS = {"in_backward": 12, "state_cpu": 4, "bf16_state_cpu": 2, "lossy": 4}
+
+
+def bill_section() -> list[str]:
+    rows = load("bill.json")
+    mem = latest([r for r in rows if "peak_mib" in r or "error" in r and "losses" not in r], lambda r: (r["model"], r["config"]))
+    times = latest([r for r in rows if "tokens_per_s" in r], lambda r: (r["model"], r["config"]))
+    curves = latest([r for r in rows if "losses" in r], lambda r: (r["model"], r["config"]))
+    out = ["## The whole memory bill", "",
+           "A Qwen2-0.5B-shaped model (`qwen05b`: 24 layers, hidden 896, 151,936 vocabulary, tied embeddings, 494M "
+           "parameters, random init) at 4x2048 tokens with AdamW, and a Llama-3.2-3B-shaped one (`llama3b`: 28 "
+           "layers, hidden 3072, 128,256 vocabulary, 3.2B parameters), `benchmarks/bill.py`. Every row has today's "
+           "best activation plan (`checkpoint` of each layer, `swiglu`, `chunked_loss`, bf16 `autocast`); the "
+           "terms are the steady step's peak split by kind (activations: what the rest leaves), each row in a "
+           "fresh process. Bytes per parameter: the peak less activations, over the parameters.", ""]
+    best = {r["model"]: r for r in mem if r["config"] == "best" and "peak_mib" in r}
+    body = []
+    for r in mem:
+        if "peak_mib" not in r:
+            body.append([r["model"], r["config"], r.get("error", "-"), *["-"] * 8])
+            continue
+        b = best.get(r["model"])
+        body.append([r["model"], r["config"], num(r["peak_mib"]), ratio(r["peak_mib"], b and b["peak_mib"]),
+                     num(r["parameters_mib"]), num(r["gradients_mib"]), num(r["optimizer_state_mib"]),
+                     num(r["activations_mib"]), f"{r['bytes_per_parameter']:.2f}"])
+    out += table(["model", "config", "peak MiB", "x best", "parameters", "gradients", "optimizer state",
+                  "activations", "bytes/parameter"], body)
+    out += [f"Runs: {stamp(mem)}. Plans: " + "; ".join(f"{r['config']}: {code(r['plan'])}" for r in mem
+                                                      if r["model"] == "qwen05b") + ".", ""]
+    if times:
+        out += ["Step times of the qwen05b rows in turns in one process (5 rounds of 2 iterations; tokens per "
+                "second from the median):", ""]
+        out += table(["config", "step ms (rounds low-high)", "x best", "tokens/s"],
+                     [[r["config"], f"{num(r['step_ms'])} ({num(r['step_ms_low'])}-{num(r['step_ms_high'])})",
+                       f"{r['x_best']:.2f}", str(r["tokens_per_s"])] for r in times])
+        out += [f"Run: {stamp(times)}.", ""]
+    heads = [r for r in mem if r["model"] == "llama3b" and "peak_mib" in r]
+    if heads:
+        out += ["The 3B model's step times, from its rows (one steady iteration each): " + "; ".join(
+            f"{r['config']}: {num(r['step_ms'])} ms, {round(8192 / r['step_ms'] * 1e3)} tokens/s" for r in heads) + ".", ""]
+    if curves:
+        out += ["Loss over 200 steps on real text at hand offline (the installed torch's `nn/modules/*.py`, "
+                "byte-tokenized), the exact step in backward against the lossy row, same init and data:", ""]
+        out += table(["config", "loss, steps 1-3", "loss, mean of steps 181-200", "loss, step 200"],
+                     [[r["config"], ", ".join(map(str, r["losses"][:3])), f"{sum(r['losses'][-20:]) / 20:.3f}",
+                       str(r["losses"][-1])] for r in curves])
+        out += [f"Run: {stamp(curves)}. Every step's loss: `bill.json`.", ""]
+    checks = []
+    for name, target in BILL_TARGETS.items():
+        r = next((r for r in mem if r["model"] == "qwen05b" and r["config"] == name and "peak_mib" in r), None)
+        if r and best.get("qwen05b"):
+            x = r["peak_mib"] / best["qwen05b"]["peak_mib"]
+            checks.append(f"- {name}: peak {x:.2f}x best (target at most {target}x): {'met' if x <= target else 'missed'}")
+    for name, target in BYTES_TARGETS.items():
+        r = next((r for r in mem if r["model"] == "qwen05b" and r["config"] == name and "peak_mib" in r), None)
+        if r:
+            ok = r["bytes_per_parameter"] <= target + 0.005
+            checks.append(f"- {name}: {r['bytes_per_parameter']:.2f} bytes a parameter beside activations (target at "
+                          f"most {target}): {'met' if ok else 'missed'}")
+    for r in heads:
+        limit = 16 if r["config"] == "state_cpu" else 10
+        gib = r["peak_mib"] / 1024
+        checks.append(f"- llama3b {r['config']}: peak {gib:.1f} GiB (target within {limit} GiB): "
+                      f"{'met' if gib <= limit else 'missed'}")
+    for r in times:
+        if r["config"] in ("in_backward", "lossy"):
+            checks.append(f"- {r['config']}: {r['x_best']:.2f}x best's step time (target at most 1.05x): "
+                          f"{'met' if r['x_best'] <= 1.05 else 'missed'}")
+    if checks:
+        out += ["Against the targets:", "", *checks, ""]
+    return out
+
+
+# -- per model: plans beside what users do ------------------------------------------------------------
+def frontier_section() -> list[str]:
+    rows = [r for r in load("frontier.json") if r.get("run")]
+    out = ["## Per model: plans beside what users do", "",
+           "Each model's latest run of `benchmarks/frontier.py` (or `frontier_split.sh`): the anchors as users "
+           "write them, hand recipes, and autoplan's answers at `max_slowdown` 1.0 (`auto_fast`) and 1.5 "
+           "(`auto_small`), every row of a model from one run; activation = reading - static; times in turns "
+           "in one process, x compile + bf16 of the same run (the median of the rounds' ratios). Readings, not "
+           "fits: for the fit of each model's best plan see What fits.", ""]
+    for m in MODELS:
+        ours = [r for r in rows if r["model"] == m]
+        runs = list(dict.fromkeys(r["run"] for r in ours))
+        # The latest run with the anchors (five rows and more), and a later, smaller one where there is one.
+        full = [run for run in runs if sum(r["run"] == run for r in ours) >= 5][-1:]
+        for run in full + [run for run in runs[-1:] if run not in full]:
+            out += _frontier_table(m, run, latest([r for r in ours if r["run"] == run], lambda r: r["config"]))
+    return out
+
+
+def _frontier_table(m: str, run: str, mine: list[dict]) -> list[str]:
+    """One run's rows of a model, x its compile + bf16 row."""
+    anchor = next((r for r in mine if r["config"] in ("compile+bf16", "compile_bf16") and "activation_mib" in r), None)
+    body = []
+    for r in mine:
+        if "activation_mib" not in r:
+            body.append([r["config"], code(r.get("plan")), (r.get("error") or "-")[:80], "-", "-", "-", "-"])
+            continue
+        body.append([r["config"], code(r.get("plan")), num(r["activation_mib"]),
+                     ratio(r["activation_mib"], anchor and anchor["activation_mib"]),
+                     f"{num(r['step_ms'], 2)} ({num(r.get('step_ms_low'), 2)}-{num(r.get('step_ms_high'), 2)})",
+                     ratio(r["step_ms"], anchor and anchor["step_ms"]), ", ".join(r.get("dominated_by") or []) or "-"])
+    return [f"### {m} (run {run}: {stamp(mine)})", "",
+            *table(["config", "plan", "activation MiB", "x compile+bf16", "step ms (low-high)", "time x compile+bf16",
+                    "dominated by"], body)]
+
+
+def lm_section() -> list[str]:
+    rows = latest(load("lm.json"), lambda r: (r["model"], r["config"]))
+    if not rows:
+        return []
+    out = ["## Language models: activations", "", "`benchmarks/lm.py`: each row in a fresh process; held = what "
+           "the forward leaves for backward.", ""]
+    out += table(["model", "config", "plan", "peak MiB", "activation MiB", "held MiB", "step ms"],
+                 [[r["model"], r["config"], code(r.get("plan")), num(r["peak_mib"]), num(r["activation_mib"]),
+                   num(r.get("held_mib")), num(r["step_ms"])] for r in rows])
+    return out + [f"Runs: {stamp(rows)}.", ""]
+
+
+def multigpu_section() -> list[str]:
+    rows = latest(load("multigpu.json"), lambda r: (r["model"], r["config"]))
+    if not rows:
+        return []
+    out = ["## Two GPUs: FSDP2 and DDP", "", "`benchmarks/multigpu.py`: per rank, GPT-2 medium at 8x1024 tokens "
+           "a rank.", ""]
+    out += table(["model", "config", "plan", "activation MiB a rank", "peak MiB a rank", "step ms (low-high)"],
+                 [[r["model"], r["config"], code(r.get("plan")), num(r["activation_mib"]),
+                   num(max(r.get("peak_per_rank_mib") or [0])),
+                   f"{num(r['step_ms'], 2)} ({num(r.get('step_ms_low'), 2)}-{num(r.get('step_ms_high'), 2)})"]
+                  for r in rows])
+    return out + [f"Runs: {stamp(rows)}.", ""]
+
+
+def make() -> str:
+    lines = ["# Results", "",
+             "The current figures, made from the JSON rows beside this file by `benchmarks/results.py` (which "
+             "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
+             "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
+             "turns.", ""]
+    for section in (fits_section, bill_section, frontier_section, lm_section, multigpu_section):
+        lines += section()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md is not what the rows make")
+    args = parser.parse_args()
+    text = make()
+    if args.check:
+        if OUT.read_text() != text:
+            print("benchmarks/RESULTS.md is not what the JSON rows make: run python benchmarks/results.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
