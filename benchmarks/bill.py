@@ -5,6 +5,10 @@ activations, row by row, on one GPU.
     python benchmarks/bill.py times --json bill.json         # their step times in turns in one process
     python benchmarks/bill.py curves --steps 200 --json ...  # loss over 200 steps: exact against lossy
     python benchmarks/bill.py headline --json bill.json      # a Llama-3.2-3B-shaped model under 16 and 10 GiB
+    python benchmarks/bill.py estimate --json bill.json      # the ~0.5B rows estimated on the CPU (no GPU)
+
+``--chunk-size N`` runs every plan with ``chunked_loss(chunk_size=N)``: the head's chunk of rows x
+vocabulary, not the layers, sets the forward's peak at a 152k vocabulary.
 
 The ~0.5B model is Qwen2-0.5B's shape (24 layers, hidden 896, 151,936 vocabulary, tied embeddings,
 494M parameters), random init, at 4x2048 tokens; AdamW. Rows (``PLANS``): today's best activation
@@ -130,6 +134,24 @@ def _figures(name: str, plan: str, prof: Any, params: int) -> dict:
             "transfers_mib": {k: round(v / MiB, 1) for k, v in prof.transfers.items()}, **_stamp()}
 
 
+def estimates(config_name: str, names: list[str]) -> list[dict]:
+    """Each row's peak by kind, estimated on the CPU (``shrinkwrap.estimate``: fake tensors, no GPU).
+    ``state='cpu'`` rows cannot be estimated (estimate() says why) and are left out."""
+    out = []
+    params = sum(p.numel() for p in build_meta(config_name).parameters())
+    for name in names:
+        if name == "torchao_offload" or "state='cpu'" in PLANS[name]:
+            continue
+        est = sw.estimate(functools.partial(build, config_name), batch(CONFIGS[config_name]().vocab_size), PLANS[name])
+        terms = {k: round(v / MiB, 1) for k, v in est.breakdown().items()}
+        out.append({"model": config_name, "config": name, "plan": PLANS[name], "kind": "estimate",
+                    "peak_mib": round(est.peak / MiB, 1), **{f"{k}_mib": v for k, v in terms.items()},
+                    "bytes_per_parameter": round((est.peak - est.activations) / params, 2),
+                    "seconds": round(est.seconds, 1), **_stamp()})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def rows(config_name: str, names: list[str], iterations: int = 3, warmup: int = 2) -> list[dict]:
     """Each row measured in a fresh process (shrinkwrap's isolated rows)."""
     out = []
@@ -224,12 +246,16 @@ def curves(config_name: str, steps: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["rows", "times", "curves", "headline"])
+    parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate"])
     parser.add_argument("--configs", default="best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--chunk-size", type=int, help="chunked_loss(chunk_size=N) in every plan")
     args = parser.parse_args()
+    if args.chunk_size:
+        for key, plan in PLANS.items():
+            PLANS[key] = plan.replace("chunked_loss()", f"chunked_loss(chunk_size={args.chunk_size})")
     names = args.configs.split(",")
     if "torchao_offload" in names:
         try:
@@ -241,6 +267,10 @@ def main() -> int:
         result = rows("qwen05b", names)
     elif args.what == "times":
         result = times("qwen05b", names, args.rounds)
+    elif args.what == "estimate":
+        global DEVICE  # the model is built on the CPU, where the estimate runs
+        DEVICE = "cpu"
+        result = estimates("qwen05b", names)
     elif args.what == "curves":
         result = curves("qwen05b", args.steps)
     else:

@@ -79,3 +79,21 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(plan):
     model = sw.apply(torchvision.models.resnet18(), plan)
     measured = sw.measure(model, batch, device="cuda")
     assert abs(est.peak - measured.peak) <= 0.10 * measured.peak, (est.peak / MiB, measured.peak / MiB)
+
+
+def test_the_step_in_backward_is_estimated_with_its_handle_and_no_gradient_term():
+    # A wide model at a batch of 8: parameters, gradients and state are the bill, and the plain
+    # loop's peak is its optimizer step with every gradient held.
+    def wide():
+        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+    batch = torch.randn(8, 1024)
+    plain = sw.estimate(wide, batch)
+    stepped = sw.estimate(wide, batch, "step_in_backward(torch.optim.AdamW)")
+    grads = sum(p.numel() * 4 for p in wide().parameters())
+    assert plain.gradients == grads
+    # Each gradient is dropped once its parameter is stepped: at most one is alive (the one stepping).
+    assert stepped.gradients <= max(p.numel() * 4 for p in wide().parameters())
+    assert stepped.peak <= plain.peak - 0.9 * grads, (stepped, plain)
+    with pytest.raises(ValueError, match="shrinkwrap: estimate\\(\\) cannot model step_in_backward\\(state='cpu'\\)"):
+        sw.estimate(wide, batch, "step_in_backward(torch.optim.AdamW, state='cpu')")

@@ -66,6 +66,20 @@ def test_weights_after_n_steps_are_the_plain_loop_s_bit_for_bit(dtype, plan, sta
     assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** 2
 
 
+def test_a_compiled_model_steps_in_backward_as_the_plain_loop():
+    # The compiled graph's backward accumulates each gradient in eager autograd, where the hook runs.
+    torch.manual_seed(0)
+    ref = Net().double()
+    model = copy.deepcopy(ref)
+    batch = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    want = plain_loop(ref, batch, 3)
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS}), compile(backend='aot_eager')")
+    got = _loop(model, opt, batch, 3)
+    assert [a.item() for a in want] == [b.item() for b in got]
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
 def test_a_checkpoint_of_the_handle_resumes_training_exactly(tmp_path):
     torch.manual_seed(0)
     plan = f"step_in_backward(torch.optim.AdamW, options={OPTIONS})"
@@ -246,3 +260,55 @@ def test_low_bit_adamw_in_bf16_trains_as_adamw_does_to_within_its_loss():
     assert sw.records(low)[-1].step.lossy and not sw.step_in_backward().lossy
     state = opt.state_dict()["state"][0]
     assert state["m"].dtype == torch.int8 and state["v"].dtype == torch.uint8
+
+
+def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
+    # float32 weights (no stochastic rounding): slice by slice and all at once are the same numbers,
+    # a non-contiguous parameter going in one slice, and a zero moment starts as _quantize's zeros.
+    import importlib
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")  # the package exports a function of this name
+    assert torch.equal(opt_module._quantize(torch.zeros(1000), True)[0], torch.zeros(4, 256, dtype=torch.int8))
+    torch.manual_seed(0)
+    weights = [torch.randn(3 * 256 + 17, 5), torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    results = []
+    for slice_values in (256, 1 << 20):
+        monkeypatch.setattr(opt_module, "_SLICE", slice_values)
+        params = [nn.Parameter(w.clone()) for w in weights]
+        opt = sw.LowBitAdamW(params, lr=0.1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append(([p.detach().clone() for p in params], opt.state_dict()["state"]))
+    (sliced, sliced_state), (whole, whole_state) = results
+    for a, b in zip(sliced, whole):
+        assert torch.equal(a, b)
+    assert torch.equal(sliced_state[0]["v"], whole_state[0]["v"])
+    assert not torch.equal(sliced[0], weights[0])  # it trained
+
+
+def test_low_bit_adamw_s_temporaries_are_one_slice_s_not_one_parameter_s(monkeypatch):
+    # A 64 MiB parameter stepped in backward, estimated: beside the parameter, its gradient and the
+    # 8-bit state, what the step allocates is a few 4 MiB slices' temporaries, where in one slice it
+    # is a few of the parameter's size.
+    import importlib
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+
+    def wide():
+        return nn.Sequential(nn.Linear(4096, 4096, bias=False))
+
+    size = 4096 * 4096
+    state = size * 2 + size // 256 * 4 * 2  # two 8-bit moments and their float32 scales
+
+    def temporaries() -> int:
+        est = sw.estimate(wide, torch.randn(2, 4096), "step_in_backward(shrinkwrap.LowBitAdamW)")
+        assert est.parameters == est.gradients == size * 4
+        return est.peak - est.parameters - est.gradients - state
+
+    sliced = temporaries()
+    monkeypatch.setattr(opt_module, "_SLICE", 1 << 30)
+    whole = temporaries()
+    assert sliced < 12 * 2**20 * 4 and whole > 2 * size * 4, (sliced / 2**20, whole / 2**20)

@@ -39,7 +39,7 @@ from .._rewrite import records
 from .._tree import tensors, tree_map
 from ..plan import PlanLike, as_plan
 from ..select import require_module, wrong
-from .step import LossFn, OptimizerFactory, _Iteration, default_loss
+from .step import LossFn, OptimizerFactory, _Iteration, default_loss, in_backward
 
 MiB = 2**20
 
@@ -144,6 +144,12 @@ def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
         raise RuntimeError(f"shrinkwrap: estimate() needs torch's MemTracker (torch >= 2.5), which torch "
                            f"{torch.__version__} lacks: {exc}") from None
     plan = as_plan(plan, "estimate()")
+    if any(getattr(s, "name", None) == "step_in_backward" and getattr(s, "state", None) == "cpu" for s in plan.steps):
+        # Under fake tensors the CPU copies and the worker thread's steps cannot run, and the device
+        # would have to be told from the host: refused rather than estimated wrong.
+        raise ValueError("shrinkwrap: estimate() cannot model step_in_backward(state='cpu'): estimate the plan with "
+                         "state='device' and leave out its optimizer_state term, which the CPU holds instead "
+                         "(the parameters' gradients go down one at a time)")
     start = time.perf_counter()
     if isinstance(model_or_factory, nn.Module):
         model = copy.deepcopy(model_or_factory)
@@ -160,7 +166,7 @@ def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
         warnings.filterwarnings("ignore", message="Module is None")
         fake_batch = tree_map(lambda t: mode.from_tensor(t.cpu()), batch)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = optimizer(params) if optimizer else torch.optim.AdamW(params, foreach=True)
+        opt = in_backward(model) or (optimizer(params) if optimizer else torch.optim.AdamW(params, foreach=True))
         step = _Iteration(model, fake_batch, loss_fn or default_loss, opt, None)
         step()  # the optimizer's state is made in the first
         tracker = MemTracker()

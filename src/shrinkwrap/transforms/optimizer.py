@@ -86,7 +86,9 @@ class Consumed(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, norm: torch.Tensor, device: torch.device | None = None) -> "Consumed":
-        out = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device or like.device)
+        # A storage of no bytes: what counts storages (torch's MemTracker, shrinkwrap.estimate) sees none.
+        out = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device or like.device,
+                                                  storage_size=0)
         out._sw_norm = norm
         return out
 
@@ -144,6 +146,7 @@ def _consumed(p: torch.Tensor) -> torch.Tensor | None:
 
 
 _BLOCK = 256  # values that share one scale in LowBitAdamW's state
+_SLICE = 1 << 20  # values LowBitAdamW updates at once (a multiple of _BLOCK): 4 MiB a float32 temporary
 
 
 def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,28 +201,47 @@ class LowBitAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    zero = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                if not state:  # zero moments: code 0 in every block (what _quantize makes of zeros)
+                    blocks = -(-p.numel() // _BLOCK)
                     state["step"] = 0
-                    state["m"], state["m_scale"] = _quantize(zero, True)
-                    state["v"], state["v_scale"] = _quantize(zero, False)
+                    for key, dtype in (("m", torch.int8), ("v", torch.uint8)):
+                        state[key] = torch.zeros((blocks, _BLOCK), dtype=dtype, device=p.device)
+                        state[key + "_scale"] = torch.full((blocks,), 1e-30, device=p.device)
                 state["step"] += 1
-                t = state["step"]
-                grad = p.grad.float()
-                m = _dequantize(state["m"], state["m_scale"], grad, True).lerp_(grad, 1 - beta1)
-                v = _dequantize(state["v"], state["v_scale"], grad, False).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                state["m"], state["m_scale"] = _quantize(m, True)
-                state["v"], state["v_scale"] = _quantize(v, False)
-                denom = (v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                weight = p.float().mul_(1 - group["lr"] * group["weight_decay"])
-                weight.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** t))
-                p.copy_(_stochastic_round(weight, p.dtype))
+                self._step_slices(p, state, group)
         return loss
+
+    @staticmethod
+    def _step_slices(p: torch.Tensor, state: dict, group: dict) -> None:
+        """The update of ``p``, ``_SLICE`` values at a time: its float32 temporaries (the moments
+        decoded, the weight widened, the step's quotient) are one slice's, not one parameter's, which
+        for a 150k-vocabulary embedding are 0.5 GiB each. A parameter not contiguous in memory
+        (channels_last convolutions: small) goes in one slice."""
+        beta1, beta2 = group["betas"]
+        t = state["step"]
+        whole = not p.is_contiguous()
+        flat, grads = (p, p.grad) if whole else (p.view(-1), p.grad.reshape(-1))
+        n = flat.numel()
+        for lo in range(0, n, max(n, 1) if whole else _SLICE):
+            hi = n if whole else min(lo + _SLICE, n)
+            blocks = slice(lo // _BLOCK, -(-hi // _BLOCK))
+            values, weight_slice = (grads, flat) if whole else (grads[lo:hi], flat[lo:hi])
+            grad = values.float()
+            m = _dequantize(state["m"][blocks], state["m_scale"][blocks], grad, True).lerp_(grad, 1 - beta1)
+            v = _dequantize(state["v"][blocks], state["v_scale"][blocks], grad, False)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            del grad
+            for key, x, signed in (("m", m, True), ("v", v, False)):
+                codes, scale = _quantize(x, signed)
+                state[key][blocks], state[key + "_scale"][blocks] = codes, scale
+            denom = v.div_(1 - beta2 ** t).sqrt_().add_(group["eps"])
+            weight = weight_slice.float().mul_(1 - group["lr"] * group["weight_decay"])
+            weight.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** t))
+            weight_slice.copy_(_stochastic_round(weight, p.dtype))
 
 
 class _OnCpu:
