@@ -112,8 +112,21 @@ def main() -> int:
     parser.add_argument("--model", required=True, choices=sorted(MODELS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="only the eager configurations' estimates, on this host's CPU (no GPU)")
     args = parser.parse_args()
     _, batch = _load(args.model, MODELS[args.model][1])
+    if args.estimate_only:
+        for config in args.configs.split(","):
+            est = estimated(args.model, config, batch)
+            if est:
+                out = {"model": args.model, "config": config, "kind": "estimate", **est, "device_name": "cpu",
+                       "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+                print(json.dumps(out), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(out) + "\n")
+        return 0
     rows = []
     for config in args.configs.split(","):
         rows.append(row(args.model, config, batch))

@@ -61,7 +61,13 @@ def code(text: str | None) -> str:
 
 # -- what fits ------------------------------------------------------------------------------------
 def fits_section() -> list[str]:
-    rows = latest(load("fits.json"), lambda r: (r["model"], r["config"]))
+    every = load("fits.json")
+    # Estimates made apart from a fit run (fits.py --estimate-only, on a CPU) fill rows whose run made none.
+    apart = {(r["model"], r["config"]): r for r in every if r.get("kind") == "estimate"}
+    rows = latest([r for r in every if r.get("kind") != "estimate"], lambda r: (r["model"], r["config"]))
+    used = [apart[(r["model"], r["config"])] for r in rows if "estimate_mib" not in r and (r["model"], r["config"]) in apart]
+    rows = [{**r, "estimate_mib": apart[(r["model"], r["config"])]["estimate_mib"]}
+            if "estimate_mib" not in r and (r["model"], r["config"]) in apart else r for r in rows]
     out = ["## What fits", "",
            "Each configuration's reading (`shrinkwrap.measure`: the steady step's `max_memory_allocated`, in a "
            "fresh process) beside its fit (`shrinkwrap.fit`: the smallest allocator cap under which a fresh process "
@@ -81,7 +87,9 @@ def fits_section() -> list[str]:
                      f"{num(est)} ({ratio(est, r['reading_mib'], 3)})" if est else "-", r["device_name"]])
     out += table(["model", "config", "reading MiB", "static MiB", "fits in MiB (not under)", "fit x reading",
                   "graph pools MiB", "estimate MiB (x reading)", "GPU"], body)
-    out += [f"Runs: {stamp(rows)}. Resolution: 1% of the uncapped reservation, at least 16 MiB.", ""]
+    out += [f"Runs: {stamp(rows)}. Resolution: 1% of the uncapped reservation, at least 16 MiB."
+            + (f" Estimates of {', '.join(r['model'] + ' ' + r['config'] for r in used)} made apart: {stamp(used)}."
+               if used else ""), ""]
     # The claims against compile + bf16, on the fit figure: both sides measured the same way.
     by = {(r["model"], r["config"]): r for r in rows if "error" not in r}
     claims = []
