@@ -89,7 +89,7 @@ def test_an_impossible_budget_is_an_answer_not_an_error():
 def test_a_time_limit_no_verified_plan_meets_is_answered_with_the_model_as_it_is(monkeypatch):
     import sys
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     # A generous limit lets the search choose plans; then every plan it verifies reads over the limit.
     monkeypatch.setattr(ap._Search, "fits_time", lambda self, row: len(row.plan) == 0)
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, rounds=2, **FAST)
@@ -113,7 +113,7 @@ def _rows(figures):
 
 
 def test_where_no_plan_meets_both_limits_the_fastest_within_the_budget_is_the_answer():
-    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.autoplan.stages import _Search
 
     rows, metric = _rows({"checkpoint('a')": (500.0, 30.0), "checkpoint('b')": (400.0, 40.0),
                           "checkpoint('c')": (900.0, 10.0)})
@@ -124,7 +124,7 @@ def test_where_no_plan_meets_both_limits_the_fastest_within_the_budget_is_the_an
 
 
 def test_where_no_set_meets_both_limits_the_search_takes_the_fastest_within_the_budget():
-    from shrinkwrap.autoplan import _search
+    from shrinkwrap.autoplan.choose import _search
 
     # b alone is within the time limit but not the budget; a is within the budget, over the time limit.
     table = _effects_table(("a", ("a",), 5.0, 10.0), ("b", ("b",), 3.0, 1.0), ("c", ("c",), 1.0, 20.0))
@@ -146,7 +146,7 @@ def test_an_answer_its_fresh_process_reads_over_the_budget_hands_the_answer_to_t
     import dataclasses
     import types
 
-    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
     prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
@@ -268,7 +268,7 @@ def test_chosen_regions_read_as_one_regex_that_selects_exactly_them():
 
     model = blocks12()
     chosen = [c for c in candidates(model, device="cpu", max_groups=12) if len(c.covers) == 1 and c.covers[0].startswith("1.")]
-    from shrinkwrap.autoplan import _plan
+    from shrinkwrap.autoplan.choose import _plan
 
     for picked in (chosen, chosen[9:], chosen[2:3]):
         plan = _plan(picked, model)
@@ -303,14 +303,14 @@ def test_block_names_read_as_a_short_regex_that_selects_exactly_them(names, expe
 
 def _effects_table(*rows):
     """Effects from (name, covers, saving, cost) rows: constructed, not measured."""
-    from shrinkwrap.autoplan import Effect
+    from shrinkwrap.autoplan.choose import Effect
     from shrinkwrap.step import Candidate
 
     return [Effect(Candidate((sw.checkpoint(name),), covers), saving, cost) for name, covers, saving, cost in rows]
 
 
 def test_the_search_finds_the_fastest_set_within_the_budget_where_greedy_orders_miss_it():
-    from shrinkwrap.autoplan import _search
+    from shrinkwrap.autoplan.choose import _search
 
     # The whole stage saves the most, and a greedy order by saving takes it and shuts out the groups;
     # two groups together fit the budget and are faster.
@@ -324,7 +324,7 @@ def test_the_search_finds_the_fastest_set_within_the_budget_where_greedy_orders_
 
 
 def test_the_search_finds_the_smallest_set_within_the_time_limit_where_greedy_orders_miss_it():
-    from shrinkwrap.autoplan import _search
+    from shrinkwrap.autoplan.choose import _search
 
     # Saving per millisecond is equal: greedy by saving takes x (6 MiB) and y no longer fits; y + z save 10.
     table = _effects_table(("x", ("x",), 6.0, 6.0), ("y", ("y",), 5.0, 5.0), ("z", ("z",), 5.0, 5.0))
@@ -333,7 +333,7 @@ def test_the_search_finds_the_smallest_set_within_the_time_limit_where_greedy_or
 
 
 def test_a_candidate_that_only_runs_faster_pays_for_a_checkpoint():
-    from shrinkwrap.autoplan import _search
+    from shrinkwrap.autoplan.choose import _search
 
     # "fast" saves nothing (it costs a little memory) but wins 4 ms: with it the big checkpoint fits
     # the time limit; without it only the small one does.
@@ -360,7 +360,7 @@ def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
 
 
 def test_a_step_time_limit_is_decided_on_the_median_and_trusted_beyond_the_noise():
-    from shrinkwrap.autoplan import ratio_interval, slowdown_decided, within_slowdown
+    from shrinkwrap.measure.ratios import ratio_interval, slowdown_decided, within_slowdown
 
     base = sw.Timing((10.0, 10.1, 9.9, 10.0, 10.0))
     tight_in, tight_over = sw.Timing((10.2, 10.3, 10.1, 10.2, 10.2)), sw.Timing((11.0, 11.1, 10.9, 11.0, 11.0))
@@ -381,7 +381,7 @@ def test_a_step_time_limit_is_decided_on_the_median_and_trusted_beyond_the_noise
 
 @pytest.mark.parametrize("n, inner", [(5, (0, 4)), (10, (2, 7)), (15, (4, 10))])
 def test_the_ratios_interval_narrows_to_inner_order_statistics_as_rounds_are_added(n, inner):
-    from shrinkwrap.autoplan import ratio_interval
+    from shrinkwrap.measure.ratios import ratio_interval
 
     ratios = [1.0 + i / 100 for i in range(n)]  # sorted already, distinct
     ratio, low, high = ratio_interval(sw.Timing((10.0,) * n), sw.Timing(tuple(10.0 * r for r in ratios)))
@@ -395,11 +395,11 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
     them all is over the limit."""
     import sys
 
-    from shrinkwrap.autoplan import MAX_ROUNDS, _Search
+    from shrinkwrap.autoplan.stages import MAX_ROUNDS, _Search
     from shrinkwrap.measure import step as measure_step
     from shrinkwrap.report import Row
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     plan_times = iter([9.0, 12.0, 9.0, 12.0, 9.0] + [11.0] * 50)
     turns = []
 
@@ -424,7 +424,7 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
 def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():
     import dataclasses
 
-    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
     prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
@@ -440,7 +440,7 @@ def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():
 def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
     import sys
 
-    ap = sys.modules["shrinkwrap.autoplan"]  # the package's name `autoplan` is the function
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     calls = []
     real = ap.time_interleaved
 
@@ -496,7 +496,7 @@ def test_the_compile_stage_tries_the_plans_compiled_and_answers_the_best(step):
 def test_the_budgeted_form_keeps_a_stem_chains_convolution_as_a_region():
     # The partitioner recomputes the stem's normalisation, activation and pooling itself, never its
     # convolution, whose output the normalisation keeps: the budgeted form keeps that one region.
-    from shrinkwrap.autoplan import _budgeted
+    from shrinkwrap.autoplan.compiled import _budgeted
 
     step = sw.Plan.parse("compile(backend='aot_eager_decomp_partition')")
     plan = sw.Plan.parse(r"checkpoint('conv1|bn1|relu|maxpool', chain=True), checkpoint(r'layer1\.\d+'), "
@@ -507,7 +507,7 @@ def test_the_budgeted_form_keeps_a_stem_chains_convolution_as_a_region():
     no_layout = sw.Plan.parse("checkpoint('conv1|bn1|relu|maxpool', chain=True), autocast(torch.bfloat16)")
     assert str(_budgeted(no_layout, step, resnet64())).startswith("checkpoint('conv1'), autocast(")
     # Only the stem convolutions a region recomputes: one inside a region over its parent too.
-    from shrinkwrap.autoplan import _fast_stem
+    from shrinkwrap.autoplan.compiled import _fast_stem
 
     model = nn.Sequential(resnet64(), resnet64())
     steps = list(sw.Plan.parse("checkpoint('1'), channels_last()"))
@@ -545,7 +545,8 @@ def test_the_compile_stage_tries_a_stems_convolution_under_the_partitioners_budg
 def test_the_compile_stage_measures_the_smallest_sets_budgeted_form_where_it_keeps_a_region():
     import dataclasses
 
-    from shrinkwrap.autoplan import Effect, _Search
+    from shrinkwrap.autoplan.choose import Effect
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
     model = resnet64()
@@ -575,14 +576,15 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     import sys
     import types
 
-    from shrinkwrap.autoplan import Effect, _Search
+    from shrinkwrap.autoplan.choose import Effect
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
     model = resnet64()
     by_cover = {c.covers: c for c in candidates(model, device="cpu")}
     rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})
     ahead, measured = [], []
-    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "compile_ahead", lambda make, plans, batch, options, room: (
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", lambda make, plans, batch, options, room: (
         ahead.append(([str(p) for p in plans], room)) or (2, [None, "OutOfMemoryError: ..."])))
 
     class Search(_Search):
@@ -612,7 +614,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
 
 
 def test_sets_of_candidates_that_make_the_same_plan_cover_alike():
-    from shrinkwrap.autoplan import Effect, _covered
+    from shrinkwrap.autoplan.choose import Effect, _covered
 
     by_cover = {c.covers: c for c in candidates(mlp(), device="cpu", max_groups=2)}
     chunk = [Effect(by_cover[("1.0", "1.1")], 1.0, 1.0)]
@@ -650,14 +652,14 @@ def test_a_plan_that_fails_to_compile_is_a_row_and_the_eager_plan_stands():
 def test_a_compile_argument_that_is_no_compile_step_fails_before_anything_is_measured(bad, monkeypatch):
     import sys
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     monkeypatch.setattr(ap, "measure_plans", lambda *a, **k: pytest.fail("measured before reading compile="))
     with pytest.raises(ValueError):
         sw.autoplan(mlp, BATCH, max_slowdown=2.0, compile=bad, **FAST)
 
 
 def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows_are_faster():
-    from shrinkwrap.autoplan import _Search
+    from shrinkwrap.autoplan.stages import _Search
 
     rows, metric = _rows({"checkpoint('a')": (500.0, 30.0), "checkpoint('a'), compile()": (600.0, 10.0),
                           "checkpoint('b'), compile()": (400.0, 20.0)})
@@ -687,7 +689,7 @@ class _Scripted:
 
         from shrinkwrap.report import Row
 
-        ap = sys.modules["shrinkwrap.autoplan"]
+        ap = sys.modules["shrinkwrap.autoplan.stages"]
         script = self
 
         class Search(ap._Search):
@@ -790,7 +792,7 @@ def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gp
 
     from shrinkwrap.measure.step import Options
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cuda"), True, {})
     allocated = [0]
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
@@ -809,7 +811,7 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
                                                                                           monkeypatch):
     import sys
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
 
     measured = []
     real = ap.measure_plans
@@ -827,7 +829,7 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
             return not cuda_started and not measured
 
     monkeypatch.setattr(ap, "measure_plans", recording)
-    monkeypatch.setattr(ap, "_Rows", OnCuda)
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "_Rows", OnCuda)  # autoplan() makes its rows
     plan, report = sw.autoplan(mlp, BATCH, budget=budget, rounds=3, **FAST)
     chosen = [str(r.plan) for r in report.rows if r.role == "chosen"]
     fresh = [text for text, isolate in measured if isolate]
@@ -905,7 +907,7 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
 
     from shrinkwrap.measure.step import Options
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     warmups = []
     real = ap.measure_plans
 
@@ -929,7 +931,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
 
     from shrinkwrap.measure.step import Options
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     events = []
     real_rows, real_build, real_timing = ap.measure_plans, ap._build, ap.time_interleaved
 
@@ -974,7 +976,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
 
 
 def test_a_region_that_recomputes_is_priced_at_its_forward_time_or_no_less_than_nothing():
-    from shrinkwrap.autoplan import Effect, _priced, _search
+    from shrinkwrap.autoplan.choose import Effect, _priced, _search
 
     regions = [c for c in candidates(mlp(), device="cpu") if c.covers and "." in c.covers[0]]
     whole = next(c for c in candidates(mlp(), device="cpu") if not c.covers)  # swish(): may run faster
@@ -996,7 +998,7 @@ def test_a_region_that_recomputes_is_priced_at_its_forward_time_or_no_less_than_
 
 
 def test_a_plan_over_its_limit_scales_every_region_priced_by_its_forward_by_what_its_own_took():
-    from shrinkwrap.autoplan import Effect, _raised
+    from shrinkwrap.autoplan.choose import Effect, _raised
 
     regions = [c for c in candidates(mlp(), device="cpu") if c.covers and "." in c.covers[0]]
     effects = [Effect(c, 100.0, 2.0 * (i + 1), priced_by_forward=True) for i, c in enumerate(regions[:3])]
@@ -1018,7 +1020,7 @@ def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row
 
     from shrinkwrap.measure.step import Options
 
-    ap = sys.modules["shrinkwrap.autoplan"]
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
     bad = sw.Plan.parse("checkpoint('no_such_module')")
     rows.warm_up(bad)  # no exception: the row below reports it

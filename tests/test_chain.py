@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import shrinkwrap as sw
-from shrinkwrap.autoplan import _plan, candidates
+from shrinkwrap.autoplan.choose import _plan
+from shrinkwrap.autoplan import candidates
 from shrinkwrap.select import SelectionError
 from shrinkwrap.transforms import checkpoint as ckpt_mod
 

@@ -1,0 +1,357 @@
+"""Auto-plan: the plan that fits a memory budget at the highest speed, found by measuring.
+
+The usual advice — "measure the effect at various levels and locations, then choose a set of
+checkpointed modules so that you fit within your memory budget but incur the smallest throughput
+impact" — done for the user, in stages. This package: :func:`autoplan` and the answer it
+gives (here); candidates and the exact choice of a set (``choose.py``); the measuring stages
+(``stages.py``); the compile stage's pieces (``compiled.py``). Step-time ratios in turns are
+the measuring harness's (``shrinkwrap.measure.ratios``).
+
+1. Candidates come from the steps themselves (:meth:`shrinkwrap.step.Step.candidates`), found in
+   the module tree, not in a list of model names: checkpoint regions over stages and groups of
+   blocks, ``swish()`` and ``bn_act()`` where they apply, ``autocast(bfloat16)`` when lossy
+   steps are allowed and the device runs bfloat16.
+2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; the
+   best of them within the limits (chosen as in 3.) form a base, and every other candidate is
+   measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
+   backward and step time). A region's recompute is priced by its forward time on the base,
+   every module timed in the same iterations (one row per region is noisier than the recompute),
+   times the median of what the regions' rows read over their forwards.
+3. The set of candidates is chosen exactly over what was measured (branch and bound): the fastest
+   set predicted to fit the budget, or the smallest within the time limit; candidates that cover
+   the same modules exclude each other. A plan over the time limit in step 4 scales every
+   region's price by what its own recompute took over its forward, and the search runs again.
+4. The chosen plan is measured in this process, and where it fits there, in a fresh process (the
+   baseline too, unless it was measured first in this process with nothing else on the GPU); where
+   it misses the budget or the slowdown limit (savings and costs do not add exactly) it is
+   refined — one more candidate, or the costliest dropped, base steps last — and measured again.
+   Without a budget, a plan within the time limit is grown from its own measured time while
+   rounds are left (a candidate's single row can overstate its cost).
+5. With ``compile``, the verified plan and the smallest set measured are measured again with
+   ``compile()`` as their last step, in this process, and the verified plan without its recompute
+   steps with ``compile(memory_budget=0.6)``, where the compiler's partitioner chooses what to
+   recompute; the best of every plan measured wins. Three compilations, not one per candidate:
+   compiled, every plan runs faster than eager, so the smallest set usually fits a step-time
+   limit that it missed eager. With inductor the plans are first compiled side by side in fresh
+   processes, whose work this process then takes from the compiler's on-disk caches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from typing import Any, Callable, Union
+
+import torch
+import torch.nn as nn
+
+from .._tree import tensors, tree_map
+from ..compare import Progress, describe_batch, measure_plans
+from ..fit import ITERATIONS, Probe, trains_under
+from ..measure.ratios import CONFIDENCE, ratio_interval, slowdown_decided
+from ..measure.step import LossFn, OptimizerFactory, Options, device_name, resolve_device
+from ..plan import Plan
+from ..processes import _unsendable, model_maker
+from ..report import Report, Row
+from .choose import candidates, _priced, _effect_notes
+from .compiled import _compile_step
+from .stages import _Rows, _gc_frozen, _isolation, _Search
+
+Budget = Union[int, float, str, None]
+CAP_TRIES = 3  # plans trained under the budget's cap before autoplan answers with none that trained
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(budget: Budget, baseline: float) -> float | None:
+    """Bytes from an int (``8_000_000_000``) or a size with its unit (``"8GiB"``, ``"500MB"``, ``"100B"``),
+    or a fraction of ``baseline`` from a number in (0, 1] (``0.5``, ``"0.5"``). A number above 1
+    without a unit (``1.5``, ``"1.5"``) is refused: as bytes it would be nothing, as a fraction
+    more than the baseline; the message names both readings."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"shrinkwrap: a budget is bytes (an int, or text such as '8GiB') or a fraction of the "
+                        f"baseline (0.5); got {budget!r}")
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?\s*", budget.lower())
+        if not m:
+            raise ValueError(f"shrinkwrap: cannot read budget {budget!r}; write e.g. '4GiB', '500MB' or 0.5")
+        if m.group(2):
+            return float(m.group(1)) * _UNITS[m.group(2)]
+        budget = float(m.group(1))
+    if budget <= 0:
+        raise ValueError(f"shrinkwrap: a budget must be positive, got {budget!r}")
+    if isinstance(budget, float):
+        if budget > 1:
+            raise ValueError(f"shrinkwrap: budget {budget!r} has no unit: a fraction of the baseline's memory is at "
+                             f"most 1, and bytes need a unit: write e.g. '{budget:g}GiB', or 0.5 for half the baseline")
+        return budget * baseline
+    return float(budget)
+
+
+def autoplan(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    batch: Any,
+    budget: Budget = None,
+    max_slowdown: float | None = None,
+    *,
+    allow_lossy: bool = False,
+    maximize: str = "speed",
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    device: str | torch.device | None = None,
+    iterations: int = 3,
+    warmup: int | None = None,
+    rounds: int = 4,
+    tolerance: float = 0.03,
+    isolate_candidates: bool = False,
+    cache: dict | None = None,
+    progress: Progress | None = None,
+    compile: bool | str = False,
+) -> tuple[Plan, Report]:
+    """Find, by measuring, the plan that fits ``budget`` with the least slowdown.
+
+    Args:
+        model_or_factory: a function returning a fresh model, or a model (copied, never changed).
+        batch: as :func:`shrinkwrap.measure`.
+        budget: bytes, a string such as ``"4GiB"``, or a fraction of the baseline (``0.5``). The
+            memory is the CUDA peak, or without CUDA the bytes saved for backward.
+        max_slowdown: the most step time allowed, as a multiple of the baseline's (``1.0``: no
+            slower). Without a budget: the least memory within this limit.
+        allow_lossy: also try lossy steps (``autocast(bfloat16)``).
+        maximize: ``"speed"`` (default), or ``"batch"``: the largest batch (scaling ``batch`` along
+            its first dimension) that fits ``budget`` with the least-memory plan within
+            ``max_slowdown``.
+        loss_fn, optimizer, device, iterations: as :func:`shrinkwrap.measure`.
+        warmup: iterations before a row is measured, as :func:`shrinkwrap.measure`; by default one
+            for an eager plan (its second iteration is steady) and two for a compiled one.
+        tolerance: how far over ``max_slowdown`` a plan may time and still count as within it.
+            A chosen plan is timed in turns with the baseline in one process, five rounds and more
+            until an 80% interval of the ratio lies within or over the limit (at most 15), and the
+            limit is decided on the median ratio (:func:`slowdown_decided`).
+        isolate_candidates: measure each candidate in its own process too. By default candidates
+            are measured in this process (a fresh model each, caches emptied: seconds instead of
+            a process start each), and every chosen plan that fits in this process again in a
+            fresh process on CUDA, so the figures autoplan answers with are isolated ones.
+        cache: a dict to keep measurements in, keyed by plan text; pass the same dict to calls
+            with the same model and batch (say ``max_slowdown=1.0`` then ``1.5``) to measure each
+            candidate once.
+        compile: also try the plans compiled (stage 5 above): ``True`` for ``compile()``, or the
+            compile step's text (``"compile(mode='max-autotune')"``). The answer may then end in
+            ``compile()`` (or ``compile(memory_budget=0.6)``, the plan's recompute steps left to
+            the compiler, where the step sets no budget, compiles the whole model and its backend
+            partitions: see ``_budgeted``); candidates are still measured eager.
+
+    Returns ``(plan, report)``: the report lists the baseline, every candidate measured alone, the
+    chosen plan's measurements and, in its notes, why each candidate was taken or left. A budget
+    that cannot be reached is an answer, not an error: the notes say so and name the smallest
+    memory found, which is the returned plan's. Where plans fit the budget but none the time
+    limit, the answer is the fastest of them; a time limit without a budget that no plan meets
+    is answered with the empty plan (the model as it is). The notes say which.
+
+    Example::
+
+        >>> plan, report = sw.autoplan(make_model, batch, budget=0.6, max_slowdown=1.3)
+        >>> print(report); sw.apply(model, plan)
+    """
+    if budget is None and max_slowdown is None:
+        raise ValueError("shrinkwrap: autoplan needs a budget, a max_slowdown, or both")
+    if maximize not in ("speed", "batch"):
+        raise ValueError(f"shrinkwrap: maximize is 'speed' or 'batch', got {maximize!r}")
+    if maximize == "batch" and budget is None:
+        raise ValueError("shrinkwrap: maximize='batch' needs a budget")
+    compile_step = _compile_step(compile)
+    make = model_maker(model_or_factory, "autoplan()")
+    options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache,
+                                                warmup)) as rows:
+        return _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
+                         isolate_candidates, progress, compile_step)
+
+
+def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str]]:
+    """The row autoplan answers with, and a note where it meets not every limit. A time limit
+    that no plan met, without a budget (or with ``maximize="batch"``), is answered with the model
+    as it is (``base``): it takes 1.0x its own time, and a plan over the limit would be a
+    slowdown the caller ruled out."""
+    final = search.final(tried)
+    if search.fits(final):
+        return final, []
+    found = (f"{(search.metric(final) or 0) / 2**20:.1f} MiB at "
+             f"{final.profile.step_ms if final.profile else 0:.1f} ms, with plan: {final.plan}")
+    if not search.holds(final) and (search.target is None or search.by_memory):
+        return base, ["no plan found within the step-time limit; the answer is the empty plan (the model as it "
+                      "is)" + (f"; the smallest memory verified is {found}" if len(final.plan) else "")]
+    if search.holds(final) and not search.by_memory:
+        return final, [f"no plan found within both limits; the fastest within the budget is {found}"]
+    return final, [f"no plan found within the limits; the smallest memory found is {found}"]
+
+
+def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, max_slowdown: float | None,
+              allow_lossy: bool, maximize: str, rounds: int, tolerance: float, isolate_candidates: bool,
+              progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
+    make, batch, options, cuda = rows.make, rows.batch, rows.options, rows.cuda
+    cands = candidates(probe, allow_lossy=allow_lossy, device=dev)
+    if progress:
+        progress(0, len(cands) + rounds, "baseline and candidates")
+    # Candidates are compared with a baseline measured the same way (in this process unless asked
+    # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
+    # each in a fresh process on CUDA, or as fresh: first in this process, where nothing of it is
+    # on the GPU yet (see _Rows).
+    base = rows([Plan()], True)[0]
+    if cuda:  # the chosen plan's process, started while the candidates are measured (none without CUDA)
+        rows.fresh.start_next()
+    if base.profile is None:
+        raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
+    report = Report([base], str(dev), device_name(dev), torch.__version__,
+                    model=getattr(make, "__name__", type(make).__name__), batch=describe_batch(batch),
+                    isolation=_isolation(rows, isolate_candidates))
+    base_mem, base_t = float(report.value(base)), base.profile.step_ms
+    target = parse_budget(budget, base_mem)
+    if target is not None and base_mem <= target and maximize == "speed":
+        report.notes = [f"baseline: {base_mem / 2**20:.1f} MiB within the budget of {target / 2**20:.1f} MiB: "
+                        "the empty plan"]
+        checked, said = _under_cap([base], rows, target) if dev.type == "cuda" else (base, [])
+        report.notes += said
+        if checked is not None:
+            return Plan(), report
+        report.notes.append("the model as it is did not train under the budget's cap: autoplan searches on")
+    search = _Search(rows, probe, report.value, base_mem, base_t, target,
+                     None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
+                     max_slowdown, tolerance)
+
+    started = time.perf_counter()
+    in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
+    base_steps = tuple(s for e in in_base for s in e.candidate.steps)
+    rest = [c for c in cands if all(c is not e.candidate for e in in_base)]
+    effects, top_rows, start_mem, start_t, forward = search.on_top(base_steps, rest, baseline)
+    report.rows += [*whole_rows, *top_rows]
+    # Stage 3: the search, exact over what was measured.
+    priced = _priced(effects, forward)  # the measured figures stay in `effects`, for the notes
+    chosen = in_base + search.search(priced, start_mem, start_t, None if search.by_memory else target)
+    effects = in_base + effects
+    measured = time.perf_counter()
+    tried = search.verify(list(chosen), in_base, in_base + priced, rounds, progress, len(cands), (start_mem, start_t))
+    chosen = search.sets.get(str(search.final(tried).plan), chosen)  # what the verified answer is made of
+    if compile_step is not None:
+        tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)
+    verified = time.perf_counter()
+    final, unmet = _answer(search, tried, base)
+    capped: list[str] = []
+    if dev.type == "cuda" and target is not None and maximize == "speed" and search.fits(final):
+        # Read within the budget is not trained within it: the answer is trained under a cap of the
+        # budget first, and the next plan is tried where it does not.
+        left = [r for r in tried if search.fits(r)]
+        order = []
+        while left and len(order) < CAP_TRIES:
+            order.append(search.final(left))
+            left = [r for r in left if r is not order[-1]]
+        checked, capped = _under_cap(order, rows, target)
+        if checked is None:
+            least = min((r for r in tried if r.profile is not None), key=search.metric)
+            unmet = [f"no plan measured within the budget trained under a cap of it ({len(order)} tried); "
+                     f"the answer is the one that reads the least memory, {search.metric(least) / 2**20:.1f} MiB"]
+            final = least
+        else:
+            final = checked
+    if final is base:
+        chosen = []  # no candidate is taken
+
+    # What answers the question first (the limits, whether they were met, the plan); then why.
+    notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step", *report.notes]
+    if target is not None:
+        notes.append(f"budget: {target / 2**20:.1f} MiB")
+    if search.max_t is not None:
+        notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
+    notes += [*unmet, *capped, f"plan: {final.plan or '(none: the model as it is)'}"]
+    if not cuda:
+        notes.append("on a CPU the memory is the bytes saved for backward, and steps are taken for what they save: "
+                     "a faster CPU step is no reason to take one")
+    for row in tried:
+        if str(row.plan) in search.ratios:
+            timings = search.ratios[str(row.plan)]
+            ratio, low, high = ratio_interval(*timings)
+            row.time_ratio = ratio
+            undecided = "" if slowdown_decided(*timings, max_slowdown, tolerance) else \
+                " (the interval straddles it after the most rounds: decided by the median)"
+            notes.append(f"{row.label}: {ratio:.3f}x the baseline's step time, timed in turns with it "
+                         f"(median of {len(timings[0].rounds_ms)} rounds' ratios, {CONFIDENCE:.0%} interval "
+                         f"{low:.3f}-{high:.3f}x): {'within' if search.fits_time(row) else 'over'} the limit "
+                         f"of {max_slowdown}x{undecided}")
+    notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
+    notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
+                 f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
+                 f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
+                 "fits there again in a fresh process on CUDA, compiled ones in this process only; each timed in "
+                 "turns with the baseline)")
+    if search.ahead:
+        ahead = search.ahead
+        notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
+                     f"at once, into the compiler's on-disk caches; this process then compiled {ahead.hits} graph(s) "
+                     f"from them and {ahead.misses} anew"
+                     + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
+    report.rows = _last_of_each(report.rows + tried)
+    report.notes = notes
+    if maximize == "batch":
+        return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
+    return final.plan, report
+
+
+def _last_of_each(rows: list[Row]) -> list[Row]:
+    """``rows`` with one row per plan, its last (a plan verified in a fresh process, not its
+    candidate row), the baseline first."""
+    last = {str(r.plan): r for r in rows[1:]}
+    return rows[:1] + [r for r in rows[1:] if last[str(r.plan)] is r and str(r.plan) != str(rows[0].plan)]
+
+
+def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row | None, list[str]]:
+    """The first of ``rows_in_order`` whose plan trains its first iterations on a fresh model in a
+    fresh process whose allocator may reserve at most ``cap`` bytes (:func:`shrinkwrap.trains_under`),
+    marked on the row, and a note per plan tried. (None, notes) where none does, or where the rows
+    cannot be sent to a fresh process (a note says so)."""
+    notes = []
+    if _unsendable((rows.make, rows.batch, rows.options)):
+        return rows_in_order[0] if rows_in_order else None, [
+            "not trained under the budget's cap: the model factory, batch or options cannot be sent to a fresh process"]
+    for row in rows_in_order:
+        probe: Probe = trains_under(rows.make, rows.batch, int(cap), row.plan, rows.options_for(row.plan))
+        if probe.ok:
+            row.trained_under = int(cap)
+            notes.append(f"fits in {cap / 2**20:.0f} MiB: {row.plan or 'the model as it is'} trained {ITERATIONS} iterations "
+                         f"under a {cap / 2**20:.0f} MiB cap (the allocator reserved at most {probe.reserved / 2**20:.0f} MiB)")
+            return row, notes
+        notes.append(f"{row.plan or 'the model as it is'} reads within the budget but did not train under a "
+                     f"{cap / 2**20:.0f} MiB cap: {probe.error}")
+    return None, notes
+
+
+def scale_batch(batch: Any, n: int) -> Any:
+    """``batch`` with ``n`` samples: tensors are cut or repeated along their first dimension."""
+    return tree_map(lambda t: t.repeat(math.ceil(n / t.shape[0]), *([1] * (t.dim() - 1)))[:n], batch)
+
+
+def _largest_batch(make: Callable[[], nn.Module], plan: Plan, batch: Any, target: float | None, report: Report,
+                   options: Options, tries: int = 8) -> Report:
+    first = next(tensors(batch))
+    lo, hi = 0, None
+    n = first.shape[0]
+    for _ in range(tries):
+        row = measure_plans(make, [plan], scale_batch(batch, n), options).rows[0]
+        ok = row.profile is not None and target is not None and report.value(row) <= target
+        row.role, row.batch_size, row.fits = "batch", n, ok
+        report.rows.append(row)
+        if ok:
+            lo = n
+            n = n * 2 if hi is None else (n + hi) // 2
+        else:
+            hi = n
+            n = (lo + n) // 2
+        if hi is not None and hi - lo <= max(1, lo // 16) or n <= 0:
+            break
+    report.notes.append(f"largest batch that fits the budget: {lo} (plan: {plan})" if lo else
+                        "no batch size fits the budget with this plan")
+    return report

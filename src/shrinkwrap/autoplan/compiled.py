@@ -1,0 +1,92 @@
+"""The compile stage's pieces: the compile step read from autoplan's argument, a plan's form
+under the partitioner's memory budget (with a recomputed stem in its fast form), and plans
+compiled ahead in processes side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from ..plan import Plan
+from ..select import pattern_for
+from ..step import Step, _inside
+from ..transforms.checkpoint import Checkpoint
+from ..transforms.compile import PARTITIONING
+from ..transforms.layout import ChannelsLast, SpaceToDepth
+
+PARTITIONER_BUDGET = 0.6  # the compile stage's memory budget for the partitioner (see _budgeted)
+
+
+def _compile_step(compile: bool | str) -> Plan | None:
+    """``autoplan``'s ``compile`` argument as a plan of one compile step, read before anything is
+    measured (a typo found after an hour of measuring would waste the hour)."""
+    if compile is False:
+        return None
+    text = "compile()" if compile is True else compile
+    plan = Plan.parse(text) if isinstance(text, str) else None
+    if plan is None or len(plan) != 1 or plan.steps[0].name != "compile":
+        raise ValueError(f"shrinkwrap: autoplan(compile=...) takes True or a compile step's text such as "
+                         f"\"compile(mode='max-autotune')\"; got {compile!r}")
+    return plan
+
+
+def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
+    """``plan`` without the steps that recompute (checkpoint, swish, bn_act, swiglu), compiled with
+    the partitioner's memory budget, which then chooses the recompute itself; ``None`` where the
+    compile step sets a budget already, its backend is not known to partition by one, or it
+    compiles some modules only (``pattern``: outside them nothing would recompute). A step keeps
+    what its :meth:`~shrinkwrap.step.Step.under_budget` says: a ResNet stem's chain region keeps
+    its convolution, which the partitioner never recomputes.
+
+    On an H100 (torch 2.11, 2026-11-24) ``autocast(bf16), compile(memory_budget=0.6)`` kept 1830
+    MiB of efficientnet_b0 @128's activations at 0.63x fp32 eager's step time, where autoplan's
+    compiled checkpoint plan kept 1956 MiB at 0.83x; resnet18 (with channels_last) 804 MiB at
+    0.50x against 875 MiB at 0.52x. Budgets of 0.5 and 0.4 kept more on resnet18, not less: the
+    partitioner's choice is not monotonic in it, so one budget, not a search over it."""
+    (compile_step,) = step.steps
+    if compile_step.memory_budget is not None or compile_step.backend not in PARTITIONING or compile_step.pattern:
+        return None
+    budgeted = dataclasses.replace(compile_step, memory_budget=PARTITIONER_BUDGET)
+    kept = [s for s in (s.under_budget(model) for s in plan.steps) if s is not None]
+    return Plan(_fast_stem(kept, model) + [budgeted])
+
+
+def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
+    """``steps``, with the stem convolutions that they recompute (``checkpoint('conv1')``) under
+    ``channels_last()`` put first in the space-to-depth form (``space_to_depth('conv1')``): such a
+    convolution runs twice, and that form is the faster. resnet18 @128 under ``checkpoint('conv1'),
+    channels_last(), autocast(bf16), compile(mode='reduce-overhead', memory_budget=0.6)`` ran
+    0.97-1.01x compile + bf16's step time, and 0.88-0.92x with it, at the same memory (H100, torch
+    2.11, 2026-11-26, three runs)."""
+    regions = [n for s in steps if isinstance(s, Checkpoint) for n in s.targets(model).matched]
+    if any(isinstance(s, SpaceToDepth) for s in steps) or not (
+            regions and any(isinstance(s, ChannelsLast) for s in steps)):
+        return steps
+    try:
+        stems = SpaceToDepth().targets(model).payload
+    except (ValueError, TypeError):  # no stem convolution the form applies to
+        return steps
+    convs = [c for c in stems if any(_inside(c, r) for r in regions)]
+    return [SpaceToDepth(pattern_for(model, convs)), *steps] if convs else steps
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`), and what this
+    process then compiled from the caches (AOTAutograd's, one per graph)."""
+
+    plans: int
+    at_once: int
+    seconds: float
+    errors: list[str]
+    hits: int = 0
+    misses: int = 0
+
+
+def _cache_counts() -> tuple[int, int]:
+    """AOTAutograd's cache hits and misses so far in this process (a graph compiled from the
+    caches or anew)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]

@@ -1,0 +1,469 @@
+"""The measuring stages: rows measured once each (in this process or fresh ones), and the search
+that runs the stages over them (base, candidates on top, the verified answer, the compiled
+plans) against the limits."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import math
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..compare import Progress, measure_plans
+from ..measure.ratios import ratio_interval, slowdown_decided, within_slowdown
+from ..measure.step import Options, forward_times, resolve_device, time_interleaved
+from ..plan import Plan
+from ..processes import FreshProcesses, _build, _Copies, compile_ahead
+from ..report import Row
+from ..step import Candidate, Step
+from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
+from .compiled import _budgeted, _Ahead, _cache_counts
+
+SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
+MAX_ROUNDS = 15  # or after this many rounds in turns, by the median
+
+
+class _Rows:
+    """Measured rows, each plan measured once (keyed by its text and whether it ran isolated).
+
+    Rows in this process are built from copies of one model the factory made (on an H100,
+    building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
+    the per-module log; isolated rows run in fresh processes, the chosen plan's started while
+    this process measures the candidates (see :class:`FreshProcesses`)."""
+
+    def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
+                 cache: dict, warmup: int | None = None) -> None:
+        self.make, self.batch, self.options, self.cuda, self.cache = make, batch, options, cuda, cache
+        self.warmup = warmup
+        self.local = _copies_of(make, model)
+        # The model to read names from: the copy kept on the CPU, where there is one, so that the
+        # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
+        # out one shared model).
+        self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
+        self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
+        self.measured_here = False  # whether a row has run in this process
+
+    def options_for(self, plan: Plan) -> Options:
+        """The options ``plan``'s rows are measured and timed with. Unless the caller set ``warmup``:
+        one warm-up iteration for an eager plan, whose first iteration makes what the optimizer
+        keeps, so that the second, the one measured, is steady (a CUDA test checks that its peak is
+        two warm-ups' to the byte); two for a compiled plan, which dynamo may compile again on its
+        second call. One iteration less per candidate: on an H100, resnet152's 33 candidates ran
+        6 iterations each of about 0.1 s."""
+        if self.warmup is not None:
+            return dataclasses.replace(self.options, warmup=self.warmup)
+        compiled = any(s.name == "compile" for s in plan.steps)
+        return dataclasses.replace(self.options, warmup=2 if compiled else 1)
+
+    def untouched(self) -> bool:
+        """Whether nothing of this process is on the GPU: CUDA not started, or nothing allocated
+        (a factory that builds on the GPU starts CUDA; the copies are on the CPU and its model
+        is let go). A process that has run a matmul holds cuBLAS workspaces, and a caller's
+        tensors count too."""
+        if not self.cuda or not torch.cuda.is_initialized():
+            return self.cuda
+        if torch.cuda.memory_allocated(self.options.device):
+            gc.collect()  # a model in a reference cycle waits for the collector
+        return torch.cuda.memory_allocated(self.options.device) == 0
+
+    def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
+        isolate = isolate and self.cuda  # a subprocess buys nothing without CUDA
+        todo = [p for p in plans if (str(p), isolate) not in self.cache]
+        empty = next((p for p in todo if not p.steps), None)
+        if isolate and empty is not None and not self.measured_here and self.untouched():
+            # The baseline, before any row in this process and with nothing of it on the GPU: it
+            # sees what a fresh process would (every byte of its peak its own), without the 12-20
+            # s a process takes to start (bert on an H100). The row serves both keys.
+            row = measure_plans(self.local, [empty], self.batch, self.options_for(empty), isolate=False,
+                                keep_going=True).rows[0]
+            self.cache[str(empty), True] = self.cache[str(empty), False] = row
+            self.measured_here = True
+            todo.remove(empty)
+        for plan in todo:
+            if isolate:
+                row = measure_plans(self.make, [plan], self.batch, self.options_for(plan), isolate=True,
+                                    keep_going=True, processes=self.fresh).rows[0]
+            else:
+                row = self._here(plan)
+            self.cache[str(plan), isolate] = row
+        return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
+
+    def model(self, plan: Plan) -> nn.Module:
+        """A copy of the model on the device, with ``plan`` applied: what this process runs."""
+        return _build(self.local, resolve_device(self.options.device), plan)
+
+    def warm_up(self, plan: Plan) -> None:
+        """Run ``plan`` for a few iterations in this process, unless its row ran here already:
+        what its layout and types use first (cuDNN's choice of kernels) is then not in its row.
+        On an H100 the first efficientnet_b0 row with ``channels_last(), autocast(bf16)`` in a
+        process stepped in 48 ms and the next in 39 ms (its first step took 14.5 s: cuDNN's first
+        use of that layout and type); measured cold, the base read slow, and every candidate on
+        top of it read faster than it, down to -17 ms, so the search took them all. resnet18's
+        first ``autocast(bf16)`` row read +31.6 ms over a 28 ms baseline, and the search left it."""
+        if (str(plan), False) not in self.cache:
+            self.measured_here = True
+            try:
+                time_interleaved({"warm-up": self.model(plan)}, self.batch, self.options_for(plan), rounds=1,
+                                 per_round=2)
+            except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
+                pass
+
+    def _here(self, plan: Plan) -> Row:
+        """``plan``'s row in this process, on a copy of the model, without the per-module log."""
+        options = dataclasses.replace(self.options_for(plan), module_log=False)
+        self.measured_here = True
+        return measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
+
+    def forward_ms(self, plan: Plan) -> dict[str, float]:
+        """Each module's forward time under ``plan`` in this process (:func:`forward_times`), or
+        nothing where the plan cannot run."""
+        self.measured_here = True
+        try:
+            return forward_times(self.model(plan), self.batch, self.options_for(plan))
+        except Exception:  # noqa: BLE001 - the base's row records what failed; regions are then priced by their rows
+            return {}
+
+    @property
+    def baseline_here(self) -> bool:
+        """Whether the isolated baseline was measured in this process (by this call or an earlier
+        one that shared the cache): the one row that serves both keys."""
+        row = self.cache.get(("", True))
+        return row is not None and row is self.cache.get(("", False))
+
+    def close(self) -> None:
+        self.fresh.close()
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """The objects alive when autoplan starts set aside from the garbage collector meanwhile
+    (``gc.freeze``): every row empties the CUDA cache after a full collection, in case cycles
+    hold tensors, and in a process that has imported transformers a full collection took 0.3 s
+    on an H100 machine, 18 of the 40 s bert's candidates took. What a row leaves behind is made
+    after the start, so it is still collected. Everything frozen is unfrozen at the end, what the
+    caller may have frozen before too (Python 3.12 starts with objects frozen): back in the oldest
+    generation, collected as usual; only a process that froze objects to keep memory pages shared
+    with its forks would notice."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _isolation(rows: _Rows, isolate_candidates: bool) -> str:
+    """Where the report's rows were measured, for its header."""
+    if not rows.cuda:
+        return "in this process"
+    where = "in subprocesses" if isolate_candidates else "candidates in this process, chosen plans in subprocesses"
+    return where + ("; the baseline first in this process, with nothing else on the GPU" if rows.baseline_here
+                    else "; the baseline in a subprocess")
+
+
+def _copies_of(make: Callable[[], nn.Module], model: nn.Module) -> Callable[[], nn.Module]:
+    """Fresh models for rows in this process: copies of ``model``, new from ``make`` and untouched,
+    kept on the CPU; ``make`` itself where the model cannot be copied."""
+    if isinstance(make, _Copies):
+        return make
+    try:
+        return _Copies(copy.deepcopy(model).to("cpu"))
+    except Exception:  # noqa: BLE001 - deepcopy fails in many ways (locks, open files, C handles)
+        return make
+
+
+@dataclasses.dataclass
+class _Search:
+    """What the stages share: how to measure, the limits, and the baseline they are read against."""
+
+    rows: _Rows
+    model: nn.Module  # one fresh model, to read names from (plans are measured on others)
+    metric: Callable[[Row], Any]
+    base_mem: float
+    base_t: float
+    target: float | None
+    max_t: float | None
+    isolate_candidates: bool
+    by_memory: bool  # maximize="batch": the least memory within max_t, whatever the budget
+    max_slowdown: float | None = None
+    tolerance: float = 0.03
+    ratios: dict = dataclasses.field(default_factory=dict)  # plan text -> (baseline, plan) Timings
+    sets: dict = dataclasses.field(default_factory=dict)  # verified plan text -> the Effects it was made of
+    ahead: _Ahead | None = None  # the compile stage's plans compiled ahead
+
+    def fits_time(self, row: Row) -> bool:
+        """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
+        process, as many rounds as the decision needed (:func:`within_slowdown`); else by its own
+        median, with the tolerance."""
+        if self.max_t is None:
+            return True
+        timings = self.ratios.get(str(row.plan))
+        if timings is not None:
+            return within_slowdown(*timings, self.max_slowdown, self.tolerance)
+        return row.profile is not None and row.profile.step_ms <= self.max_t * (1 + self.tolerance)
+
+    def fits(self, row: Row) -> bool:
+        return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and self.fits_time(row)
+
+    def holds(self, row: Row) -> bool:
+        """Whether ``row`` meets the limit that comes first where no plan meets both: the budget
+        (over it the run fails; over the time limit it runs slower), or the time limit where there
+        is no budget, or with ``maximize="batch"``, whose batch size meets the budget later."""
+        if row.profile is None:
+            return False
+        if self.target is None or self.by_memory:
+            return self.fits_time(row)
+        return self.metric(row) <= self.target
+
+    def time_against_baseline(self, plan: Plan) -> None:
+        """Time ``plan`` and the baseline in turns in this process: the ratio a step-time limit is
+        decided on (times from separate processes drift 10-20% on a shared GPU)."""
+        if self.max_t is None or str(plan) in self.ratios:
+            return
+        models = {"baseline": self.rows.model(Plan()), "plan": self.rows.model(plan)}
+        timings = time_interleaved(
+            models, self.rows.batch, self.rows.options_for(plan), rounds=5, per_round=self.rows.options.iterations,
+            until=lambda t: slowdown_decided(t["baseline"], t["plan"], self.max_slowdown, self.tolerance),
+            max_rounds=MAX_ROUNDS)
+        self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
+
+    def measure_chosen(self, plan: Plan, isolate: bool = True) -> Row:
+        """A plan autoplan may answer with: measured in a fresh process (on CUDA, unless ``isolate``
+        is false), and where it fits the budget, timed in turns with the baseline for the
+        step-time limit."""
+        row = self.rows([plan], isolate)[0]
+        if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
+            self.time_against_baseline(plan)
+        return row
+
+    def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
+        return _search(effects, mem, t, target, self.max_t, self.speedups)
+
+    @property
+    def speedups(self) -> bool:
+        """Whether a candidate that saves nothing may be taken for its time: on CUDA (see :func:`_search`)."""
+        return getattr(self.rows, "cuda", True)
+
+    def base(self, whole: list[Candidate]) -> tuple[list[Effect], list[Row], Row]:
+        """Stage 1: each whole-model step alone; the best of them within the limits (bf16 autocast,
+        usually) form the base that every other candidate is then measured on top of, so that what
+        autocast does to a checkpoint's saving and cost is measured, not guessed. Returns the
+        chosen effects, the rows, and the baseline measured as the candidates are."""
+        if self.rows.cuda and not self.isolate_candidates:
+            for c in whole:
+                self.rows.warm_up(Plan(c.steps))
+        rows = self.rows([Plan()] + [Plan(c.steps) for c in whole], self.isolate_candidates)
+        effects = _effects(whole, rows[1:], rows[0], self.metric)
+        # Predictions start from the isolated baseline and add the measured deltas: the limits are
+        # isolated figures, and a baseline measured in this process can read higher or lower.
+        chosen = self.search(effects, self.base_mem, self.base_t, None if self.by_memory else self.target)
+        return chosen, rows[1:], rows[0]
+
+    def on_top(self, base_steps: tuple, rest: list[Candidate], baseline: Row
+               ) -> tuple[list[Effect], list[Row], float, float, dict[str, float]]:
+        """Stage 2: the base measured as a whole (steps that absorb each other, swish and bn_act,
+        save less together than their sum), and every other candidate measured on top of it.
+        Returns the effects, the rows, the base's predicted memory and time, and each module's
+        forward time on the base (what recomputing it costs: see :func:`_priced`)."""
+        if base_steps and self.rows.cuda and not self.isolate_candidates:
+            self.rows.warm_up(Plan(base_steps))  # every candidate is read against the base's row
+        rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in rest], self.isolate_candidates)
+        base = rows[0]
+        if base.profile is None or baseline.profile is None:
+            mem, t = self.base_mem, self.base_t
+        else:
+            mem = self.base_mem + self.metric(base) - self.metric(baseline)
+            t = self.base_t + base.profile.step_ms - baseline.profile.step_ms
+        forward = self.rows.forward_ms(Plan(base_steps)) if any(c.covers for c in rest) else {}
+        return _effects(rest, rows[1:], base, self.metric), (rows if base_steps else rows[1:]), mem, t, forward
+
+    def measured_t(self, row: Row, upper: bool = False) -> float:
+        """A chosen plan's step time as the limit is decided on it: the baseline's times its ratio
+        timed in turns with it (``upper``: the top of the ratio's interval, what the plan takes at
+        most, with :data:`CONFIDENCE`), or else its row's own."""
+        timings = self.ratios.get(str(row.plan))
+        if timings is None:
+            return row.profile.step_ms
+        ratio, _, high = ratio_interval(*timings)
+        return (high if upper else ratio) * self.base_t
+
+    def verify(self, chosen: list[Effect], in_base: list[Effect], effects: list[Effect], rounds: int,
+               progress: Progress | None, done: int, start: tuple[float, float] | None = None) -> list[Row]:
+        """Stage 4: measure the chosen plan, in this process and, where it fits there, in a fresh
+        one; refine where it misses.
+
+        - Over the time limit: the candidates' costs were read from one row each, and the chosen
+          ones partly because their rows read cheap. What the plan took beyond its prediction
+          (from ``start``, the base's predicted memory and time) raises the costs
+          (:func:`_raised`: every region priced by its forward time scaled alike, or else a
+          share for each candidate chosen on top of the base), and the search runs again: on an H100,
+          resnet152's first plan for a 1.5x limit timed 2.59x, and dropping the costliest
+          candidate one round at a time still left 1.67x after four rounds. Where that finds
+          nothing new, the costliest is dropped (what was measured on top of the base first:
+          the base is what those measurements assume).
+        - Over budget: the next candidates are added.
+        - Without a budget (the least memory within the time limit), a plan that fits is grown
+          while rounds are left: the smallest set of what is left, predicted from the plan's own
+          measured time (the top of its ratio's interval, where it was timed in turns), is
+          added, since the prices may have overstated the cost; the smallest plan that fitted
+          is then the one measured fresh.
+
+        Costs are only raised, what was dropped is not added back, and a plan is not grown back
+        into a set that was measured over the time limit, so rounds cannot swing between two
+        plans; a plan is measured once."""
+        tried: list[Row] = []
+        dropped: list[Effect] = []
+        over: list[frozenset[str]] = []  # what the plans measured over the time limit covered (_covered)
+        grow = self.target is None and not self.by_memory and self.max_t is not None
+        start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
+        for r in range(rounds):
+            plan = _plan([e.candidate for e in chosen], self.model)
+            self.sets.setdefault(str(plan), list(chosen))
+            if progress:
+                progress(done + r, done + rounds, f"verify {plan}")
+            # Refined in this process (seconds: a copy of the model), answered from a fresh one (on
+            # an H100, 12 s a resnet152 row, most of it the process's start and first kernels).
+            row = self.measure_chosen(plan, isolate=False)
+            # Grown into the room the plan surely leaves: its row's own time, or even its median in
+            # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
+            nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
+                if grow and self.fits(row) and r + 1 < rounds else []
+            if any(slow <= _covered(chosen + nxt) for slow in over):
+                nxt = []  # back into a set already over the time limit (more recompute only adds time)
+            if not nxt and (self.fits(row) or self.by_memory):
+                row = self.measure_chosen(plan)
+            row.role, row.round = "chosen", r + 1
+            tried.append(row)
+            if nxt:
+                chosen += nxt
+                continue
+            if self.fits(row) or self.by_memory:
+                break
+            if row.profile is not None and not self.fits_time(row) and chosen:
+                over.append(_covered(chosen))
+                extra = [e for e in chosen if e not in in_base]
+                excess = self.measured_t(row) - start_t - sum(e.cost for e in extra)
+                if extra and excess > 0:
+                    raised = _raised(effects, extra, excess)
+                    effects = [raised.get(id(e.candidate), e) for e in effects]
+                    chosen = [raised.get(id(e.candidate), e) for e in chosen]
+                    again = in_base + self.search(_without(effects, in_base + dropped), start_mem, start_t,
+                                                  None if self.by_memory else self.target)
+                    if _plan([e.candidate for e in again], self.model) not in {t.plan for t in tried}:
+                        chosen = again
+                        continue
+                pool = [e for e in chosen if e not in in_base] or chosen
+                worst = max(pool, key=lambda e: e.cost)
+                chosen.remove(worst)
+                dropped.append(worst)
+                continue
+            # Over budget: the best set of what is left that covers nothing chosen, from the verified figures.
+            mem = self.metric(row) if row.profile else self.base_mem
+            nxt = self.search(self._rest(effects, chosen, dropped), mem,
+                              row.profile.step_ms if row.profile else self.base_t,
+                              None if self.by_memory else self.target)
+            if not nxt:
+                break
+            chosen += nxt
+        return self._fresh_answer(tried)
+
+    @staticmethod
+    def _rest(effects: list[Effect], chosen: list[Effect], dropped: list[Effect]) -> list[Effect]:
+        """The candidates not chosen, not dropped, and covering nothing chosen."""
+        return [e for e in _without(effects, chosen + dropped)
+                if not any(e.candidate.overlaps(c.candidate) for c in chosen)]
+
+    def _fresh_answer(self, tried: list[Row]) -> list[Row]:
+        """``tried`` with the answer's figures from a fresh process: a grown plan that fitted,
+        followed by a larger one that did not, was measured in this process only (measured fresh
+        now); one measured again after a drop has both rows (the fresh one kept). A fresh row
+        that no longer fits (its process read more than this one) hands the answer on to the
+        next best plan, which is measured fresh in turn: each plan once, so this ends. An answer over
+        the time limit but within the budget (:meth:`holds`) is measured fresh too."""
+        done: set[str] = set()
+        while self.rows.cuda:
+            best = self.final(tried)
+            if not self.holds(best) or str(best.plan) in done:
+                break
+            done.add(str(best.plan))
+            fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
+            fresh.role, fresh.round = "chosen", best.round
+            last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
+            tried = [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
+        return tried
+
+    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
+                 progress: Progress | None = None) -> list[Row]:
+        """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
+        each with ``step`` (a plan of one compile step) last, and the verified plan's budgeted form
+        (:func:`_budgeted`), and the smallest set's where it keeps a region, measured as the verified plans are
+        (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
+        anyway, and a fresh process would compile it a second time (on an H100 that was most of
+        autoplan's time: 114 of 149 s on resnet18). With inductor they are compiled ahead, side by
+        side (:meth:`compile_ahead`). A plan that fails to compile is a row with its error."""
+        final = self.final(tried).plan
+        smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
+        # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
+        # convolution): otherwise it differs from the verified plan's by whole-model steps at
+        # most, and each plan here is a compilation (resnet152's take minutes).
+        budgeted = [_budgeted(final, step, self.model)]
+        kept = _budgeted(smallest, step, self.model)
+        if kept is not None and any(s.recomputes for s in kept.steps):
+            budgeted.append(kept)
+        plans = [p + step for p in (final, smallest)] + [p for p in budgeted if p is not None]
+        plans = list(dict.fromkeys(plans))  # the same plan once
+        self.compile_ahead(plans, step.steps[0], progress)
+        before = _cache_counts() if self.ahead else None
+        rows = []
+        for i, plan in enumerate(plans):
+            if progress:
+                progress(i, len(plans), f"compiled: {plan}")
+            row = self.measure_chosen(plan, isolate=False)
+            row.role = "compiled"
+            rows.append(row)
+        if before is not None:
+            self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(_cache_counts(), before))
+        if progress:
+            progress(len(plans), len(plans), "compiled plans measured")
+        return rows
+
+    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> None:
+        """Compile ``plans`` (those not measured in this process yet) in processes side by side
+        first (:func:`~shrinkwrap.processes.compile_ahead`), as many at once as the GPU's free memory
+        holds at the baseline's peak each, so that this process compiles each from the on-disk
+        caches: on CUDA, with inductor (the backend whose work is kept on disk), unless ``step``'s
+        mode tunes kernels as it compiles (``max-autotune``: chosen beside other processes, the
+        choice would be kept in the cached graph). On an H100, resnet152's plans took 97-119 s
+        each to compile cold and 6-8 s from the caches."""
+        if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
+            return
+        plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
+        if len(plans) < 2:
+            return
+        if progress:
+            progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
+        started = time.perf_counter()
+        base = self.rows.cache.get(("", True))
+        room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
+        at_once, errors = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room)
+        if at_once:
+            self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, [e for e in errors if e])
+
+    def final(self, tried: list[Row]) -> Row:
+        """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
+        both, the same of those that meet the limit that comes first (:meth:`holds`): the fastest
+        within the budget; else the smallest. :func:`_answer` answers a time limit that no plan
+        met, without a budget, with the model as it is."""
+        ok = [r for r in tried if self.fits(r)] or [r for r in tried if self.holds(r)]
+        if ok and self.target is not None and not self.by_memory:
+            return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
+        if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
+            least = min(self.metric(r) for r in ok)
+            return min((r for r in ok if self.metric(r) <= least * (1 + SAME_MEMORY)), key=lambda r: r.profile.step_ms)
+        measured = [r for r in tried if r.profile is not None] or tried
+        return min(measured, key=lambda r: self.metric(r) if r.profile else math.inf)
