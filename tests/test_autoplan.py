@@ -49,7 +49,39 @@ class Res(nn.Module):
 def test_groups_inside_residual_blocks_are_left_out():
     model = nn.Sequential(nn.Sequential(Res(), Res()), nn.Sequential(Res(), Res()))
     assert block_groups(model) == [("", ["0", "1"], False), ("0", ["0.0", "0.1"], True), ("1", ["1.0", "1.1"], True)]
-    assert [str(c) for c in candidates(model, device="cpu")] == ["checkpoint(('0',))", "checkpoint(('1',))"]
+    assert [str(c) for c in candidates(model, device="cpu")] == [
+        "checkpoint(('0',))", "checkpoint(('1',))", "checkpoint(('0.0', '0.1'))", "checkpoint(('1.0', '1.1'))"]
+
+
+class Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def test_stages_of_blocks_two_levels_down_give_every_block_a_region_of_its_own():
+    # ConvNeXt's and Swin's shape: features = [stem, stage of blocks, downsample, stage of blocks].
+    features = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[Block() for _ in range(3)]),
+                             nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)), nn.Sequential(*[Block() for _ in range(4)]))
+    model = nn.Sequential(features, nn.Linear(8, 1))
+    groups = block_groups(model)
+    assert ("0.1", ["0.1.0", "0.1.1", "0.1.2"], True) in groups
+    covers = [c.covers for c in candidates(model, device="cpu")]
+    assert ("0.1",) in covers and ("0.3",) in covers  # each stage as one region
+    assert ("0.1.0", "0.1.1", "0.1.2") in covers and ("0.3.0", "0.3.1", "0.3.2", "0.3.3") in covers  # a region a block
+    assert ("0.3.0", "0.3.1") in covers and ("0.3.2", "0.3.3") in covers  # each half's blocks
+    assert ("0.1.0", "0.1.1") not in covers  # three blocks: no halves
+    # A region a block: applied, each block is its own checkpoint, the stage is not.
+    plan = next(c for c in candidates(model, device="cpu") if c.covers == ("0.1.0", "0.1.1", "0.1.2"))
+    applied = sw.apply(model, sw.Plan(plan.steps))
+    assert sw.records(applied)[0].matched == ("0.1.0", "0.1.1", "0.1.2")
+    from shrinkwrap.transforms.checkpoint import CheckpointModule
+
+    stage = applied[0][1]
+    assert not isinstance(stage, CheckpointModule) and all(isinstance(b, CheckpointModule) for b in stage)
 
 
 def test_budgets_read_as_bytes_text_or_fraction():
