@@ -23,7 +23,7 @@ ROW_KEYS = {
     "parameters_mib", "gradients_mib", "optimizer_state_mib", "batch_mib", "breakdown", "phases",
     "top_modules", "timeline_probe", "timeline", "snapshot", "role", "round", "batch_size", "fits",
     "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib", "rank", "ranks",
-    "fit_mib", "fit_below_mib", "fit_resolution_mib", "fit_iterations", "trained_under_mib",
+    "fit_mib", "fit_below_mib", "fit_resolution_mib", "fit_iterations", "trained_under_mib", "frontier",
 }
 
 
@@ -172,3 +172,15 @@ def test_plot_writes_a_png(tmp_path, cuda):
     pytest.importorskip("matplotlib")
     report(cuda).plot(str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_frontier_is_the_rows_no_other_row_beats_on_both_memory_and_time():
+    rows = [Row(Plan(), prof(100, 10.0, peak_mib=500), role="baseline")] + [
+        Row(Plan.parse(f"checkpoint('{name}')"), prof(100, ms, peak_mib=mib))
+        for name, mib, ms in [("a", 300, 12.0), ("b", 400, 15.0), ("c", 300, 11.0), ("d", 200, 20.0), ("e", 500, 10.0)]]
+    report = Report(rows, "cuda:0", "Test GPU", torch.__version__)
+    # b is beaten by a and c, a by c; e ties the baseline (the same figures beat neither).
+    assert [str(r.plan) for r in report.frontier()] == ["checkpoint('d')", "checkpoint('c')", "", "checkpoint('e')"]
+    flags = {r["plan"]: r["frontier"] for r in report.to_dict()["rows"]}
+    assert flags == {"": True, "checkpoint('a')": False, "checkpoint('b')": False, "checkpoint('c')": True,
+                     "checkpoint('d')": True, "checkpoint('e')": True}

@@ -165,6 +165,22 @@ class Report:
         values = [self._metric(p) for p in row.profile.ranks or [row.profile]]
         return None if None in values else max(values)
 
+    def frontier(self) -> list[Row]:
+        """The rows no other row beats on both memory and step time (the plans worth choosing
+        between: less memory costs time along them), by memory, least first.
+
+        Example::
+
+            >>> [(r.plan, r.profile.step_ms) for r in report.frontier()]
+        """
+        rows = [r for r in self.rows if self.value(r) is not None]
+
+        def beats(a: Row, b: Row) -> bool:
+            va, vb, ta, tb = self.value(a), self.value(b), a.profile.step_ms, b.profile.step_ms
+            return va <= vb and ta <= tb and (va < vb or ta < tb)
+
+        return sorted((r for r in rows if not any(beats(o, r) for o in rows)), key=self.value)
+
     def _deltas(self) -> list[dict[str, Any]]:
         base = self.rows[0] if self.rows else None
         base_v = self.value(base) if base else None
@@ -190,6 +206,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, in the documented ``shrinkwrap.report/1`` schema."""
         rows = []
+        frontier = {id(r) for r in self.frontier()}
         for row, d in zip(self.rows, self._deltas()):
             rows.append({
                 "step": row.label,
@@ -209,6 +226,7 @@ class Report:
                 "fit_resolution_mib": _mib(row.fit.resolution) if row.fit else None,
                 "fit_iterations": row.fit.iterations if row.fit else None,
                 "trained_under_mib": _mib(row.trained_under),
+                "frontier": id(row) in frontier,
                 "rank": row.profile.rank if row.profile else None,
                 "ranks": [{"rank": p.rank, "value_mib": _mib(self._metric(p)), "peak_mib": _mib(p.peak),
                            "saved_mib": _mib(p.saved), "parameters_mib": _mib(p.parameters),
