@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -82,6 +84,32 @@ def test_stages_of_blocks_two_levels_down_give_every_block_a_region_of_its_own()
 
     stage = applied[0][1]
     assert not isinstance(stage, CheckpointModule) and all(isinstance(b, CheckpointModule) for b in stage)
+
+
+class Dense(nn.ModuleDict):
+    """A DenseNet's dense block: a ModuleDict of layers, each fed what came before."""
+
+    def __init__(self, n=3, width=4):
+        super().__init__({f"layer{i}": nn.Sequential(nn.Linear(width * (i + 1), width), nn.ReLU()) for i in range(n)})
+
+    def forward(self, x):
+        for layer in self.values():
+            x = torch.cat([x, layer(x)], dim=1)
+        return x
+
+
+def test_layers_of_a_module_dict_are_blocks_each_its_own_region():
+    model = nn.Sequential(nn.Linear(4, 4), Dense(), nn.Linear(16, 1))
+    assert block_groups(model) == [("1", ["1.layer0", "1.layer1", "1.layer2"], False)]
+    region = next(c for c in candidates(model, device="cpu") if c.covers == ("1.layer0",))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    plain = model.double()
+    applied = sw.apply(copy.deepcopy(plain), sw.Plan(region.steps))
+    assert sw.records(applied)[0].matched == ("1.layer0",)
+    plain(x).sum().backward()
+    applied(x).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), applied.parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_budgets_read_as_bytes_text_or_fraction():

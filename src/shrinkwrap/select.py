@@ -263,9 +263,12 @@ def has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
 
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # what holds a stack of blocks
+
+
 def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
-    """``(container, [block names], nested)`` for every Sequential/ModuleList holding two or more
-    blocks of one type (modules with children and parameters). Groups inside a block that is not
+    """``(container, [block names], nested)`` for every Sequential, ModuleList or ModuleDict (a
+    DenseNet's dense block) holding two or more blocks of one type (modules with children and parameters). Groups inside a block that is not
     itself a plain container (inside a residual block or a transformer layer) are left out: their
     parts are too small to be worth a measurement. ``nested``: the group lies inside another
     group's block (an EfficientNet stage inside ``features``). Types are read through shrinkwrap's
@@ -273,7 +276,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
-        if not isinstance(unwrap(c), (nn.Sequential, nn.ModuleList)):
+        if not isinstance(unwrap(c), CONTAINERS):
             continue
         if any(name.startswith(b + ".") for b in real_blocks):
             continue
@@ -284,5 +287,5 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
             continue
         nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
         out.append((name, [n for n, _ in blocks], nested))
-        real_blocks += [n for n, m in blocks if not isinstance(m, (nn.Sequential, nn.ModuleList))]
+        real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
     return out

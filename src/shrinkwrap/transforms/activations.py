@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _rewrite
 from .._wrapper import TRACED_REGIONS, TransparentWrapper, functorch_level, has_hooks, unwrap
-from ..select import Pattern, SelectionError, require_module, select
+from ..select import CONTAINERS, Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets
 
 aten = torch.ops.aten
@@ -98,7 +98,6 @@ _KINDS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], nn.
 _NATIVE: dict[type, str] = {nn.SiLU: "swish", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 # Only used to *report* stateful modules we will not run; replacement never depends on names.
 _LOOKS_LIKE = regex.compile(r"swish|silu|mish", regex.IGNORECASE)
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _REPLACED = "_sw_replacement"  # set on modules this transform put in place, so reapplying sees them
 
 
@@ -214,7 +213,7 @@ def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device
     native = _native_kind(module)
     if native is not None:
         return native, ""
-    if isinstance(module, (TransparentWrapper, *_CONTAINERS)):
+    if isinstance(module, (TransparentWrapper, *CONTAINERS)):
         return None, "is a container or a shrinkwrap wrapper"
     if _has_state(module):
         return None, "has parameters or buffers (state); shrinkwrap never replaces a module with state"
@@ -296,7 +295,7 @@ class Swish(_WholeModelStep):
                 if kind is not None and not why:
                     replace[name] = kind
                 elif kind is not None or explicit or (
-                    _LOOKS_LIKE.search(type(module).__name__) and not isinstance(module, _CONTAINERS)
+                    _LOOKS_LIKE.search(type(module).__name__) and not isinstance(module, CONTAINERS)
                 ):
                     skipped.append((name, why))
         if not (replace or done or skipped):
