@@ -49,9 +49,9 @@ WARM = False  # --warm: compile the compiled rows ahead, side by side (see warm)
 def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """The configurations that dominate ``row``: less activation by more than 2%, and a slowest
     round faster than ``row``'s fastest."""
-    if "error" in row:
+    if "step_ms_low" not in row:  # failed, or not timed
         return []
-    return [r["config"] for r in rows if "error" not in r and r is not row
+    return [r["config"] for r in rows if "step_ms_high" in r and r is not row
             and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
 
 

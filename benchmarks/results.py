@@ -269,13 +269,78 @@ def multigpu_section() -> list[str]:
     return out + [f"Runs: {stamp(rows)}.", ""]
 
 
+# -- autoplan on the zoo -----------------------------------------------------------------------------
+ZOO_ROWS = ("ckpt_every_block+bf16", "ckpt_every_block+bf16_compiled", "compile_budget0.5+bf16")
+ZOO_AUTO = ("auto_fast", "auto_small", "auto_compile")
+ZOO_TARGETS = {"auto_fast": 60, "auto_small": 60, "auto_compile": 120}  # autoplan's own seconds
+
+
+def zoo_lines(rows: list[dict]) -> list[str]:
+    """One line a model: each autoplan answer and each recipe as activation x fp32 @ step time x
+    compile + bf16 (medians, timed in turns in the model's process), what dominates each answer,
+    and autoplan's own seconds; then how many answers were dominated and ran over the time targets."""
+    by_model: "OrderedDict[str, dict[str, dict]]" = OrderedDict()
+    for r in rows:
+        by_model.setdefault(r["model"], {})[r["config"]] = r
+    body, dominated, slow, answers = [], [], [], 0
+
+    def cell(r: dict | None, base: dict | None, ref: dict | None) -> str:
+        if r is None:
+            return "not run"
+        if "error" in r or "activation_mib" not in r:
+            return "error: " + r.get("error", "?")[:60]
+        return f"{ratio(r['activation_mib'], base and base.get('activation_mib'))} @ " \
+               f"{ratio(r.get('step_ms'), ref and ref.get('step_ms'))}"
+
+    for model, got in by_model.items():
+        if "all" in got:
+            body.append([model, f"error: {got['all']['error']}", *[""] * (2 * len(ZOO_AUTO) + len(ZOO_ROWS))])
+            continue
+        base, ref = got.get("base_fp32"), got.get("compile+bf16")
+        line = [model]
+        for a in ZOO_AUTO:
+            r = got.get(a)
+            line += [cell(r, base, ref), ", ".join(r.get("dominated_by") or []) or "none" if r and "activation_mib" in r
+                     else "-"]
+            if r and "activation_mib" in r:
+                answers += 1
+                dominated += [f"{model} {a}"] if r.get("dominated_by") else []
+            if r and r.get("autoplan_s") is not None and r["autoplan_s"] > ZOO_TARGETS[a]:
+                slow.append(f"{model} {a} {r['autoplan_s']:.0f} s")
+        line += [cell(got.get(c), base, ref) for c in ZOO_ROWS]
+        line.append(" / ".join(num(got.get(a, {}).get("autoplan_s")) for a in ZOO_AUTO))
+        body.append(line)
+    heads = ["model"] + [h for a in ("1.0x", "1.5x", "compile=True") for h in (f"autoplan {a}", "dominated by")]
+    heads += ["every block + bf16", "the same compiled", "compile + bf16, budget 0.5", "autoplan s (1.0x / 1.5x / compile)"]
+    out = table(heads, body)
+    out += [f"Dominated: {len(dominated)} of {answers} answers" + (f" ({', '.join(dominated)})" if dominated else "")
+            + ". Over autoplan's time targets (60 s eager, 120 s compile=True): "
+            + (", ".join(slow) if slow else "none") + ".", ""]
+    return out
+
+
+def zoo_section() -> list[str]:
+    rows = load("zoo.json")
+    if not rows:
+        return []
+    latest_run = latest(rows, lambda r: (r["model"], r["config"]))
+    out = ["## autoplan on models it was not tuned on", "",
+           "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench models, "
+           "each in a process of its own, one a GPU. Each cell: activation (peak less static) x fp32's @ step time x "
+           "compile + bf16's, medians timed in turns in that process. Dominated: another row with at least 2% less "
+           "activation whose slowest round is faster than the answer's fastest. \"every block\": torch's "
+           "`checkpoint_wrapper` on the block classes a user names (`zoo.ZOO`) under bf16 autocast.", ""]
+    out += zoo_lines(latest_run)
+    return out + [f"Runs: {stamp([r for r in latest_run if 'gpu' in r])}.", ""]
+
+
 def make() -> str:
     lines = ["# Results", "",
              "The current figures, made from the JSON rows beside this file by `benchmarks/results.py` (which "
              "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
              "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
              "turns.", ""]
-    for section in (fits_section, bill_section, frontier_section, lm_section, multigpu_section):
+    for section in (fits_section, bill_section, frontier_section, zoo_section, lm_section, multigpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
 

@@ -317,15 +317,17 @@ def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
 
 
 def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]], rounds: int,
-                     plans: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                     plans: dict[str, str] | None = None, batch: Any = None) -> list[dict[str, Any]]:
     """Every configuration of one model in this process: memory from ``shrinkwrap.measure`` one at a
     time (activation = steady-state peak - allocated before it, so the other configurations'
     weights, lying in memory meanwhile, are left out), then step times from
     ``shrinkwrap.time_interleaved`` (configurations in turns, ``rounds`` rounds of 5 iterations).
-    A configuration that fails is a row with its error."""
+    A configuration that fails is a row with its error. ``batch``: for a model not in ``MODELS``."""
     import shrinkwrap as sw
 
-    _, batch = _load(model_name, MODELS[model_name][1])
+    size = MODELS[model_name][1] if model_name in MODELS else len(batch)
+    if batch is None:
+        _, batch = _load(model_name, size)
     options = sw.Options(device="cuda", iterations=3, warmup=3)
     models, rows = {}, []
     for name, make in makers.items():
@@ -348,7 +350,7 @@ def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]]
                      "recompiles": prof.recompiles, "first_ms": round(prof.first_ms, 1)})
         print(f"measured {name}: {rows[-1]['activation_mib']} MiB", file=sys.stderr, flush=True)
     times = sw.time_interleaved(models, batch, options, rounds=rounds, per_round=5)
-    return with_timings(rows, times, 2, batch=MODELS[model_name][1], seq=SEQ.get(model_name))
+    return with_timings(rows, times, 2, batch=size, seq=SEQ.get(model_name))
 
 
 def ratio_table(rows: list[dict[str, Any]], refs: dict[str, str],

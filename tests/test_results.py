@@ -12,3 +12,27 @@ def test_results_md_is_what_the_rows_make():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results.py"), "--check"], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_targets():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from results import zoo_lines
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def row(config, act, ms, **extra):
+        return {"model": "m", "config": config, "activation_mib": act, "step_ms": ms, **extra}
+
+    rows = [row("base_fp32", 1000.0, 20.0), row("compile+bf16", 500.0, 10.0),
+            row("ckpt_every_block+bf16", 200.0, 15.0),
+            row("auto_fast", 300.0, 12.0, dominated_by=[], autoplan_s=40.0),
+            row("auto_small", 400.0, 18.0, dominated_by=["ckpt_every_block+bf16"], autoplan_s=75.0),
+            {"model": "broken", "config": "all", "error": "timed out after 900 s"}]
+    lines = zoo_lines(rows)
+    m = next(line for line in lines if line.startswith("| m |"))
+    cells = [c.strip() for c in m.strip("|").split("|")]
+    assert cells[1:5] == ["0.30 @ 1.20", "none", "0.40 @ 1.80", "ckpt_every_block+bf16"]
+    assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-1] == "40.0 / 75.0 / -"
+    assert any("| broken | error: timed out after 900 s" in line for line in lines)
+    assert "Dominated: 1 of 2 answers (m auto_small)" in lines[-2] and "m auto_small 75 s" in lines[-2]

@@ -1,0 +1,207 @@
+"""autoplan on models it was not tuned on: torchvision classifiers of twenty families and the five
+bench models, each against the one-line recipes a user writes by hand.
+
+    python benchmarks/zoo.py --models convnext_tiny,swin_t --gpus 0,1 --json benchmarks/zoo.json
+    python benchmarks/zoo.py --all --gpus 0,1,2,3 --compile --json benchmarks/zoo.json
+    python benchmarks/zoo.py --one convnext_tiny           # one model, in this process, on this GPU
+
+Each model runs in a process of its own, one a GPU, as many side by side as ``--gpus`` names. In
+it, ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``),
+eager, lossy steps allowed, the two calls sharing one cache; with ``--compile`` also
+``compile=True`` at 1.0 (``auto_compile``). Its own seconds are kept. Then every row is measured
+in that process (``run.measure_same_run``: memory one row at a time, activation = peak less what
+was allocated before; step times in turns): fp32 as it is (``base_fp32``), ``compile+bf16``,
+every block checkpointed with torch's ``checkpoint_wrapper`` under bf16 autocast
+(``ckpt_every_block+bf16``; the blocks are the classes named in ``ZOO``, as a user names them),
+the same compiled, and compile + bf16 with the partitioner's ``activation_memory_budget=0.5``
+(``compile_budget0.5+bf16``, measured last: the budget is a global setting, and reaches any later
+compilation in the process). An autoplan row is dominated by a row with at least 2% less activation
+whose slowest round is faster than its fastest (``frontier.dominated_by``). A model that fails, or
+runs past ``--timeout``, is a row with its error. ``benchmarks/results.py`` makes the table of
+RESULTS.md from the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import shrinkwrap as sw  # noqa: E402
+from frontier import dominated_by  # noqa: E402
+from run import MODELS, HandAutocast, _load, compiled, measure_same_run, torch_checkpoint_blocks  # noqa: E402
+from run import build as build_bench  # noqa: E402
+
+BATCH = 64
+# torchvision name: the block classes a user would checkpoint
+ZOO: dict[str, tuple[str, ...]] = {
+    "resnet50": ("Bottleneck",),
+    "resnet101": ("Bottleneck",),
+    "resnext50_32x4d": ("Bottleneck",),
+    "wide_resnet50_2": ("Bottleneck",),
+    "densenet121": ("_DenseLayer",),
+    "googlenet": ("Inception",),
+    "inception_v3": ("InceptionA", "InceptionB", "InceptionC", "InceptionD", "InceptionE"),
+    "mobilenet_v2": ("InvertedResidual",),
+    "mobilenet_v3_large": ("InvertedResidual",),
+    "mnasnet1_0": ("_InvertedResidual",),
+    "shufflenet_v2_x1_0": ("InvertedResidual",),
+    "squeezenet1_1": ("Fire",),
+    "efficientnet_v2_s": ("MBConv", "FusedMBConv"),
+    "regnet_y_1_6gf": ("ResBottleneckBlock",),
+    "convnext_tiny": ("CNBlock",),
+    "swin_t": ("SwinTransformerBlock",),
+    "swin_v2_t": ("SwinTransformerBlockV2",),
+    "vit_b_16": ("EncoderBlock",),
+    "maxvit_t": ("MaxVitLayer",),
+    "mobilenet_v3_small": ("InvertedResidual",),
+}
+SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
+AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
+
+
+def build_zoo(name: str) -> nn.Module:
+    """A fresh torchvision model on the GPU (module-level: autoplan sends it to fresh processes)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.get_model(name, weights=None).cuda()
+
+
+def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
+    """The model's factory, its batch (seeded, on the CPU) and its block classes."""
+    if name in MODELS:
+        _, batch = _load(name, MODELS[name][1])
+        return functools.partial(build_bench, name), batch, MODELS[name][2]
+    shape = SHAPES.get(name, (3, 224, 224))
+    return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
+
+
+def recipes(make: Callable[[], nn.Module], blocks: tuple[str, ...]) -> dict[str, Callable[[], nn.Module]]:
+    """The one-line recipes, as users write them; the partitioner's budget last (a global setting)."""
+    every = lambda: HandAutocast(torch_checkpoint_blocks(make(), blocks))  # noqa: E731
+    return {"base_fp32": make, "compile+bf16": lambda: compiled(HandAutocast(make())),
+            "ckpt_every_block+bf16": every, "ckpt_every_block+bf16_compiled": lambda: compiled(every()),
+            "compile_budget0.5+bf16": lambda: compiled(HandAutocast(make()), 0.5)}
+
+
+def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
+    """Every row of one model, in this process."""
+    make, batch, blocks = setup(name)
+    cache: dict = {}
+    auto: dict[str, dict[str, Any]] = {}
+    for config, (slowdown, comp) in AUTOPLAN.items():
+        if comp and not with_compile:
+            continue
+        started = time.perf_counter()
+        try:
+            plan, report = sw.autoplan(make, batch, max_slowdown=slowdown, allow_lossy=True, device="cuda",
+                                       cache=cache, compile=comp)
+        except Exception as exc:  # noqa: BLE001 - a model autoplan cannot handle is a row with its error
+            auto[config] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+            continue
+        auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
+                        "frontier": [str(r.plan) for r in report.frontier()]}
+        print(f"{name} {config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
+    makers = recipes(make, blocks)
+    last = makers.pop("compile_budget0.5+bf16")
+    plans = {k: v["plan"] for k, v in auto.items() if "plan" in v}
+    makers.update({k: functools.partial(lambda text: sw.apply(make(), text), text) for k, text in plans.items()})
+    makers["compile_budget0.5+bf16"] = last
+    rows = measure_same_run(name, makers, rounds, plans, batch=batch)
+    rows += [{"model": name, "config": k, **v} for k, v in auto.items() if "error" in v]
+    for row in rows:
+        row.update({k: v for k, v in auto.get(row["config"], {}).items() if k != "plan"})
+        if row["config"] in AUTOPLAN:
+            row["dominated_by"] = dominated_by(row, rows)
+    return rows
+
+
+def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, with_compile: bool,
+            deadline: float | None) -> list[dict[str, Any]]:
+    """Each model in a process of its own, one a GPU, as many at once as ``gpus``; a model that
+    fails or outruns ``timeout`` (or the ``deadline``, seconds from now) is a row with its error."""
+    waiting, running, rows = list(models), {}, []
+    free = list(gpus)
+    end = None if deadline is None else time.monotonic() + deadline
+    folder = tempfile.mkdtemp(prefix="zoo-")
+    while waiting or running:
+        while waiting and free and (end is None or time.monotonic() < end):
+            name, gpu = waiting.pop(0), free.pop(0)
+            out = os.path.join(folder, f"{name}.json")
+            cmd = [sys.executable, __file__, "--one", name, "--rounds", str(rounds), "--json", out,
+                   *(["--compile"] if with_compile else [])]
+            with open(out + ".log", "w") as log:  # the child's stderr: its last line says why it failed
+                running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log),
+                                 gpu, out, time.monotonic())
+        if end is not None and time.monotonic() >= end:
+            rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed"} for n in waiting]
+            waiting = []
+        time.sleep(1)
+        for name, (process, gpu, out, started) in list(running.items()):
+            late = time.monotonic() - started > timeout or (end is not None and time.monotonic() >= end)
+            if process.poll() is None and not late:
+                continue
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            del running[name]
+            free.append(gpu)
+            got = [json.loads(line) for line in Path(out).read_text().splitlines()] if os.path.exists(out) else []
+            if not got:
+                said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
+                why = f"timed out after {time.monotonic() - started:.0f} s" if late else \
+                    f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
+                got = [{"model": name, "config": "all", "error": why}]
+            rows += got
+            print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,
+                  flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help="comma-separated: ZOO names and bench models (default: --all)")
+    parser.add_argument("--all", action="store_true", help="every ZOO model, then the five bench models")
+    parser.add_argument("--gpus", default="0", help="comma-separated GPU indices, one model on each at a time")
+    parser.add_argument("--compile", action="store_true", help="also autoplan with compile=True at 1.0x")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a model may take")
+    parser.add_argument("--deadline", type=float, help="seconds from now after which nothing runs")
+    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        rows = one(args.one, args.rounds, args.compile)
+    else:
+        models = args.models.split(",") if args.models else list(ZOO) + list(MODELS)
+        unknown = [m for m in models if m not in ZOO and m not in MODELS]
+        if unknown or not (args.models or args.all):
+            parser.error(f"give --models from {sorted(ZOO) + sorted(MODELS)}, or --all" if not unknown
+                         else f"unknown model(s) {unknown}; known: {sorted(ZOO) + sorted(MODELS)}")
+        rows = run_all(models, args.gpus.split(","), args.timeout, args.rounds, args.compile, args.deadline)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if not args.one:
+        from results import zoo_lines
+
+        print("\n".join(zoo_lines(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
