@@ -659,8 +659,10 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room),) = ahead
-    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 3
-    assert room == 4000 and (search.ahead.plans, search.ahead.at_once) == (3, 2)
+    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 4
+    # Among them the one-line recipe: every block a region of its own, compiled.
+    assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
+    assert room == 4000 and (search.ahead.plans, search.ahead.at_once) == (4, 2)
     assert search.ahead.errors == ["OutOfMemoryError: ..."]  # what failed there, for the notes
     # Not where nothing is kept on disk (another backend), where kernels are tuned as the graph
     # compiles (beside other processes, the choice would be kept), or without CUDA.
@@ -703,9 +705,14 @@ def test_the_compile_stage_also_leaves_the_recompute_to_the_partitioners_memory_
 
 def test_a_plan_that_fails_to_compile_is_a_row_and_the_eager_plan_stands():
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile="compile(backend='no_such_backend')", **FAST)
-    (failed,) = [r for r in report.rows if r.role == "compiled"]
-    assert failed.profile is None and "no_such_backend" in failed.error
+    failed = [r for r in report.rows if r.role == "compiled"]
+    assert failed and all(r.profile is None and "no_such_backend" in r.error for r in failed)
     assert len(plan) and "compile" not in str(plan)
+    # The notes say why the eager plan is the answer: each compiled plan failed.
+    (why,) = [n for n in report.notes if n.startswith("the answer is eager")]
+    assert why.count("failed (") == len(failed)
+    # The one-line recipe was among them: every block of the stack a region of its own, compiled.
+    assert any(str(r.plan).startswith(r"checkpoint(r'1\.\d+')") for r in failed), [str(r.plan) for r in failed]
 
 
 @pytest.mark.parametrize("bad", ["compiel()", "swish()", "compile(), swish()", 3])

@@ -30,9 +30,10 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
 5. With ``compile``, the verified plan and the smallest set measured are measured again with
    ``compile()`` as their last step, in this process, and the verified plan without its recompute
    steps with ``compile(memory_budget=0.6)``, where the compiler's partitioner chooses what to
-   recompute; the best of every plan measured wins. Three compilations, not one per candidate:
-   compiled, every plan runs faster than eager, so the smallest set usually fits a step-time
-   limit that it missed eager. With inductor the plans are first compiled side by side in fresh
+   recompute, and the one-line recipe (every block a region, compiled); the best of every plan
+   measured wins, and where an eager plan does, a note says why. Four compilations or so, not
+   one per candidate: compiled, every plan runs faster than eager, so the smallest set usually
+   fits a step-time limit that it missed eager. With inductor the plans are first compiled side by side in fresh
    processes, whose work this process then takes from the compiler's on-disk caches.
 """
 
@@ -57,7 +58,7 @@ from ..processes import _unsendable, model_maker
 from ..report import Report, Row
 from .choose import candidates, _priced, _effect_notes
 from .compiled import _compile_step
-from .stages import _Rows, _gc_frozen, _isolation, _Search
+from .stages import SAME_MEMORY, _Rows, _gc_frozen, _isolation, _Search
 
 Budget = Union[int, float, str, None]
 CAP_TRIES = 3  # plans trained under the budget's cap before autoplan answers with none that trained
@@ -272,6 +273,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if search.max_t is not None:
         notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
     notes += [*unmet, *capped, f"plan: {final.plan or '(none: the model as it is)'}"]
+    if compile_step is not None and final.role != "compiled":
+        notes.append(_eager_won(search, tried, final))
     if not cuda:
         notes.append("on a CPU the memory is the bytes saved for backward, and steps are taken for what they save: "
                      "a faster CPU step is no reason to take one")
@@ -306,6 +309,26 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if maximize == "batch":
         return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
     return final.plan, report
+
+
+def _eager_won(search: _Search, tried: list[Row], final: Row) -> str:
+    """Why an eager plan answers where the compile stage measured compiled ones: each compiled
+    plan's failure, the limit it missed, or what the answer does better."""
+    def why(r: Row) -> str:
+        if r.profile is None:
+            return f"failed ({r.error})"
+        mem = search.metric(r)
+        if search.target is not None and mem > search.target:
+            return f"over the budget ({mem / 2**20:.1f} MiB)"
+        if not search.fits_time(r):
+            return f"over the step-time limit ({r.profile.step_ms:.1f} ms)"
+        if final.profile is None or (search.target is not None and not search.by_memory) or \
+                mem <= (1 + SAME_MEMORY) * search.metric(final):
+            return f"slower ({r.profile.step_ms:.1f} ms)"
+        return f"more memory ({mem / 2**20:.1f} MiB)"
+
+    return "the answer is eager; the compiled plans measured: " + "; ".join(
+        f"{r.plan}: {why(r)}" for r in tried if r.role == "compiled")
 
 
 def _last_of_each(rows: list[Row]) -> list[Row]:

@@ -23,7 +23,7 @@ from ..processes import FreshProcesses, _build, _Copies, compile_ahead
 from ..report import Row
 from ..step import Candidate, Step
 from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
-from .compiled import _budgeted, _Ahead, _cache_counts
+from .compiled import _budgeted, _every_block, _Ahead, _cache_counts
 
 SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
 BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy)
@@ -427,8 +427,9 @@ class _Search:
     def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
                  progress: Progress | None = None) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
-        each with ``step`` (a plan of one compile step) last, and the verified plan's budgeted form
-        (:func:`_budgeted`), and the smallest set's where it keeps a region, measured as the verified plans are
+        each with ``step`` (a plan of one compile step) last, the verified plan's budgeted form
+        (:func:`_budgeted`), and the smallest set's where it keeps a region, and the verified
+        plan with every block checkpointed instead of its regions (:func:`_every_block`), measured as the verified plans are
         (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
         anyway, and a fresh process would compile it a second time (on an H100 that was most of
         autoplan's time: 114 of 149 s on resnet18). With inductor they are compiled ahead, side by
@@ -442,7 +443,8 @@ class _Search:
         kept = _budgeted(smallest, step, self.model)
         if kept is not None and any(s.recomputes for s in kept.steps):
             budgeted.append(kept)
-        plans = [p + step for p in (final, smallest)] + [p for p in budgeted if p is not None]
+        every = _every_block(final, step, self.model)  # the one-line recipe, compiled
+        plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         self.compile_ahead(plans, step.steps[0], progress)
         before = _cache_counts() if self.ahead else None
