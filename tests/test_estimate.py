@@ -77,8 +77,9 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(plan):
     batch = torch.randn(64, 3, 224, 224)
     est = sw.estimate(torchvision.models.resnet18, batch, plan)
     model = sw.apply(torchvision.models.resnet18(), plan)
-    measured = sw.measure(model, batch, device="cuda")
-    assert abs(est.peak - measured.peak) <= 0.10 * measured.peak, (est.peak / MiB, measured.peak / MiB)
+    held = torch.cuda.memory_allocated()  # not this model's: what the process held before
+    peak = sw.measure(model, batch, device="cuda").peak - held
+    assert abs(est.peak - peak) <= 0.10 * peak, (est.peak / MiB, peak / MiB, held / MiB)
 
 
 def test_the_step_in_backward_is_estimated_with_its_handle_and_no_gradient_term():

@@ -50,7 +50,8 @@ def test_a_reading_agrees_with_the_cap_it_trains_under(kind):
 
 
 def test_autoplan_s_budgeted_answer_trained_under_the_budget_s_cap():
-    plan, report = sw.autoplan(resnet, batch(), budget=0.6, max_slowdown=2.0, rounds=2)
+    # Within reach of exact steps (an H100 found 0.79x of the baseline's peak at most, torch 2.11).
+    plan, report = sw.autoplan(resnet, batch(), budget=0.85, max_slowdown=2.0, rounds=2)
     assert any(n.startswith("fits in ") and "trained 8 iterations under a" in n for n in report.notes), report.notes
     chosen = next(r for r in report.rows if r.trained_under is not None)
     assert str(chosen.plan) == str(plan)

@@ -603,3 +603,33 @@ def test_graph_pools_counts_private_pools_and_the_gradients_a_replay_wrote_there
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     pool, unseen = step._graph_pools(torch.device("cuda", 0), [inside, None, recorded, outside])
     assert (pool, unseen) == (inside.nbytes + recorded.nbytes, inside.nbytes)
+
+
+def test_an_optimizer_without_a_state_attribute_has_its_state_counted_from_its_state_dict():
+    class PerParameter:
+        """torchao's CPUOffloadOptimizer's shape: an optimizer per parameter, no ``state``."""
+
+        def __init__(self, params):
+            self.inner = [torch.optim.AdamW([p]) for p in params]
+            self.param_groups = [g for o in self.inner for g in o.param_groups]
+
+        def step(self):
+            for o in self.inner:
+                o.step()
+
+        def zero_grad(self, set_to_none=True):
+            for o in self.inner:
+                o.zero_grad(set_to_none)
+
+        def state_dict(self):
+            return {"offloaded": [o.state_dict() for o in self.inner]}
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    x = torch.randn(8, 16)
+    plain = sw.measure(make(), x, optimizer=lambda params: torch.optim.AdamW(params), iterations=1, warmup=1)
+    wrapped = sw.measure(make(), x, optimizer=PerParameter, iterations=1, warmup=1)
+    assert plain.optimizer_state >= 2 * plain.parameters > 0
+    assert wrapped.optimizer_state == plain.optimizer_state

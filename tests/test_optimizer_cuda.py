@@ -23,15 +23,17 @@ def mlp() -> nn.Module:
 def test_the_gradient_and_state_terms_leave_the_peak_and_training_matches_adamw():
     x = torch.randn(64, 2048)
     params = sum(p.numel() * 4 for p in mlp().parameters())
-    plain = sw.measure(mlp().cuda(), x, device="cuda")
+    held = torch.cuda.memory_allocated()  # not these models': what the process held before
+    plain = sw.measure(mlp().cuda(), x, device="cuda").peak - held
     rows = {}
     for state in ("device", "cpu"):
         model = sw.apply(mlp().cuda(), f"step_in_backward(torch.optim.AdamW, state='{state}')")
         rows[state] = sw.measure(model, x, device="cuda")
+        del model
     # The plain step holds parameters, gradients and AdamW's two moments: 16 bytes a parameter.
-    assert plain.peak >= 3.5 * params
-    assert rows["device"].peak <= plain.peak - 0.8 * params  # no gradient waits for the others
-    assert rows["cpu"].peak <= 1.6 * params and rows["cpu"].optimizer_state == 0  # the state in CPU memory
+    assert plain >= 3.5 * params
+    assert rows["device"].peak - held <= plain - 0.8 * params  # no gradient waits for the others
+    assert rows["cpu"].peak - held <= 1.6 * params and rows["cpu"].optimizer_state == 0  # the state in CPU memory
     ref, model = mlp().cuda(), sw.apply(mlp().cuda(), "step_in_backward(torch.optim.AdamW, state='cpu')")
     opt_ref, opt = torch.optim.AdamW(ref.parameters(), foreach=False), sw.optimizer(model)
     xc = x.cuda()

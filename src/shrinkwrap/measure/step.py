@@ -197,6 +197,18 @@ def _bytes(ts: Iterable[torch.Tensor | None], device: torch.device | None = None
     return sum(seen.values())
 
 
+def _state_tensors(opt: Any) -> Iterator[torch.Tensor]:
+    """The tensors an optimizer keeps: its ``state``, or, for one that has none (torchao's
+    ``CPUOffloadOptimizer`` keeps an optimizer per parameter), every tensor its ``state_dict``
+    holds, however nested."""
+    state = getattr(opt, "state", None)
+    if state is not None:
+        for s in state.values():
+            yield from tensors(s)
+    elif hasattr(opt, "state_dict"):
+        yield from tensors(opt.state_dict())
+
+
 def _dropped(t: torch.Tensor) -> bool:
     """Whether ``t`` is the stand-in a gradient leaves once the optimizer step in backward used it."""
     return getattr(type(getattr(t, "_local_tensor", t)), "_sw_consumed", False)
@@ -585,7 +597,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         saved=saved.bytes if saved is not None else None,
         parameters=_bytes([*model.parameters(), *model.buffers()]),
         gradients=_bytes(p.grad for p in model.parameters()),
-        optimizer_state=_bytes((t for s in opt.state.values() for t in tensors(s)), device),
+        optimizer_state=_bytes(_state_tensors(opt), device),
         batch=_bytes(tensors(batch)),
         step_ms=statistics.median(times),
         step_times_ms=times,
