@@ -187,19 +187,21 @@ def build_meta(config_name: str) -> nn.Module:
 def times(config_name: str, names: list[str], rounds: int) -> list[dict]:
     """Step times in turns in this process; tokens per second from the medians."""
     models = {}
-    optimizers = {}
     for name in names:
         plan = PLANS["best" if name == "torchao_offload" else name]
         models[name] = planned(config_name, plan)
     vocab = CONFIGS[config_name]().vocab_size
     out = []
-    # time_interleaved makes one optimizer per model from the options: torchao's row needs its own.
-    plain = {k: v for k, v in models.items() if k != "torchao_offload"}
-    timing = sw.time_interleaved(plain, batch(vocab), sw.Options(device=DEVICE, warmup=2), rounds=rounds, per_round=2)
-    if "torchao_offload" in models:
-        timing.update(sw.time_interleaved({"torchao_offload": models["torchao_offload"], "best": models["best"]},
-                                          batch(vocab), sw.Options(device=DEVICE, warmup=2, optimizer=torchao_offload),
-                                          rounds=rounds, per_round=2))
+    # time_interleaved makes each model's optimizer with one factory: torchao's row gets its own,
+    # told apart by its parameters, and every row is timed in the same rounds as best's.
+    theirs = {id(p) for p in models["torchao_offload"].parameters()} if "torchao_offload" in models else set()
+
+    def optimizer(params: Any) -> Any:
+        params = list(params)
+        return (torchao_offload if params and id(params[0]) in theirs else torch.optim.AdamW)(params)
+
+    timing = sw.time_interleaved(models, batch(vocab), sw.Options(device=DEVICE, warmup=2, optimizer=optimizer),
+                                 rounds=rounds, per_round=2)
     base = timing["best"].median
     for name, t in timing.items():
         out.append({"model": config_name, "config": name, "step_ms": round(t.median, 1),
@@ -207,7 +209,6 @@ def times(config_name: str, names: list[str], rounds: int) -> list[dict]:
                     "tokens_per_s": round(BATCH * SEQ / t.median * 1e3), "x_best": round(t.median / base, 3),
                     "rounds": len(t.rounds_ms), **_stamp()})
         print(json.dumps(out[-1]), flush=True)
-    del optimizers
     return out
 
 

@@ -152,7 +152,8 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             waiting = []
         time.sleep(1)
         for name, (process, gpu, out, started) in list(running.items()):
-            late = time.monotonic() - started > timeout or (end is not None and time.monotonic() >= end)
+            over = time.monotonic() - started > timeout
+            late = over or (end is not None and time.monotonic() >= end)
             if process.poll() is None and not late:
                 continue
             if process.poll() is None:
@@ -163,7 +164,8 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             got = [json.loads(line) for line in Path(out).read_text().splitlines()] if os.path.exists(out) else []
             if not got:
                 said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
-                why = f"timed out after {time.monotonic() - started:.0f} s" if late else \
+                why = (f"timed out after {time.monotonic() - started:.0f} s" if over else
+                       f"stopped at the run's deadline after {time.monotonic() - started:.0f} s") if late else \
                     f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
                 got = [{"model": name, "config": "all", "error": why}]
             rows += got

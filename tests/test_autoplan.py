@@ -930,6 +930,42 @@ def test_a_row_that_reads_faster_in_as_little_memory_is_verified_and_answers():
     assert search.undominated([row("A")], [row("B")]) == [row("A")] and rows.measured == ["B"]
 
 
+def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatch):
+    # A caller's tensors on the GPU (300 bytes here) are no plan's: a row measured in this
+    # process reads its peaks above them, as a fresh process would.
+    import dataclasses
+    import sys
+
+    from shrinkwrap.measure.step import Options
+
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
+    real = ap.measure_plans
+
+    def on_cuda(*args, **kwargs):
+        report = real(*args, **kwargs)
+        row = report.rows[0]
+        row.profile = dataclasses.replace(row.profile, peak=1000, first_peak=1200, static=400)
+        return report
+
+    allocated = [300]
+    monkeypatch.setattr(ap, "measure_plans", on_cuda)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cpu"), True, {})
+    p = rows([sw.Plan.parse("swish()")], False)[0].profile
+    assert (p.peak, p.first_peak, p.static) == (700, 900, 100)
+    # What the rows leave themselves (cuBLAS's workspace) is theirs, as in a fresh process: the
+    # bytes held before the first row are what is taken off.
+    allocated[0] = 340
+    p = rows([sw.Plan.parse("swish(), checkpoint('1.0')")], False)[0].profile
+    assert (p.peak, p.first_peak, p.static) == (700, 900, 100)
+    rows.close()
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cpu"), False, {})  # without CUDA nothing is held
+    p = rows([sw.Plan.parse("swish()")], False)[0].profile
+    assert (p.peak, p.first_peak, p.static) == (1000, 1200, 400)
+    rows.close()
+
+
 def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gpu(monkeypatch):
     import sys
 

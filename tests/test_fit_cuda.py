@@ -50,8 +50,11 @@ def test_a_reading_agrees_with_the_cap_it_trains_under(kind):
 
 
 def test_autoplan_s_budgeted_answer_trained_under_the_budget_s_cap():
-    # Within reach of exact steps (an H100 found 0.79x of the baseline's peak at most, torch 2.11).
-    plan, report = sw.autoplan(resnet, batch(), budget=0.85, max_slowdown=2.0, rounds=2)
-    assert any(n.startswith("fits in ") and "trained 8 iterations under a" in n for n in report.notes), report.notes
+    # A budget bf16 plans reach with room: on an H100 (torch 2.11) exact steps read 0.79x of the
+    # baseline's peak at most and that plan did not train under a cap of 0.85x; with bf16 one read
+    # 0.64x and did not train under 0.65x (a reading is 1-9% under what training needs).
+    plan, report = sw.autoplan(resnet, batch(), budget=0.8, max_slowdown=2.0, rounds=2, allow_lossy=True)
+    assert any(n.startswith("fits in ") and "trained 8 iterations under a" in n for n in report.notes), \
+        "\n".join(report.notes)
     chosen = next(r for r in report.rows if r.trained_under is not None)
     assert str(chosen.plan) == str(plan)
