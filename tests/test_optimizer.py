@@ -312,3 +312,36 @@ def test_low_bit_adamw_s_temporaries_are_one_slice_s_not_one_parameter_s(monkeyp
     monkeypatch.setattr(opt_module, "_SLICE", 1 << 30)
     whole = temporaries()
     assert sliced < 12 * 2**20 * 4 and whole > 2 * size * 4, (sliced / 2**20, whole / 2**20)
+
+
+def test_autoplan_tries_the_step_in_backward_with_a_budget_on_cuda_and_its_default_optimizer():
+    from shrinkwrap.step import Context
+    from shrinkwrap.transforms.optimizer import LowBitAdamW, StepInBackward
+
+    cuda = torch.device("cuda")
+    got = lambda **kw: [str(c) for c in StepInBackward.candidates(Net(), Context(**kw))]  # noqa: E731
+    assert got(device=cuda, budget=True) == ["step_in_backward(torch.optim.AdamW)",
+                                            "step_in_backward(torch.optim.AdamW, state='cpu')"]
+    lossy = StepInBackward.candidates(Net(), Context(device=cuda, budget=True, allow_lossy=True))
+    assert [c.steps[0].optimizer for c in lossy] == [torch.optim.AdamW, torch.optim.AdamW, LowBitAdamW]
+    assert lossy[-1].lossy and not lossy[0].lossy
+    # Not without a budget, not on a CPU (whose figure is the bytes saved for backward, which the
+    # step does not change), not with the caller's own optimizer (it cannot be built again a
+    # parameter at a time).
+    assert got(device=cuda) == [] and got(device=torch.device("cpu"), budget=True) == []
+    assert got(device=cuda, budget=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) == []
+
+
+def test_an_answer_that_steps_in_backward_says_which_terms_it_cut_and_that_its_options_are_defaults():
+    from shrinkwrap.autoplan import _bill_cut
+    from shrinkwrap.report import Row
+
+    x = torch.randn(8, 3, 16, 16)
+    plan = sw.Plan.parse("step_in_backward(torch.optim.AdamW)")
+    base = Row(sw.Plan(), sw.measure(Net(), x, iterations=1, warmup=1), role="baseline")
+    final = Row(plan, sw.measure(sw.apply(Net(), plan), x, iterations=1, warmup=1), role="chosen")
+    cut, options = _bill_cut(base, final)
+    grads = base.profile.gradients / 2**20
+    assert cut == f"the answer cuts more than activations: gradients {grads:.1f} -> 0.0 MiB" and grads > 0
+    assert "options={'lr': ...}" in options and "sw.optimizer(model)" in options
+    assert _bill_cut(base, base) == [] and _bill_cut(base, Row(sw.Plan.parse("swish()"), base.profile)) == []

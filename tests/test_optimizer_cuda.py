@@ -54,3 +54,15 @@ def test_the_gradient_and_state_terms_leave_the_peak_and_training_matches_adamw(
     # learning rate (an H100 read 3.8e-5 at most, in 0.1% of the weights, after three steps).
     diff = torch.cat([(a - b).abs().flatten() for a, b in pairs])
     assert diff.max() <= 0.1 * lr and (diff > 1e-6).float().mean() <= 0.01, (diff.max(), (diff > 1e-6).float().mean())
+
+
+def test_autoplan_reaches_a_budget_only_the_step_in_backward_reaches_and_says_what_it_cut():
+    # Parameters, gradients and AdamW's two moments hold 16 bytes a parameter, the activations of a
+    # 64-row batch next to nothing: no activation step reaches 3.6 x the parameters' bytes; the
+    # step in backward (about 12) does.
+    x = torch.randn(64, 2048)
+    params = sum(p.numel() * 4 for p in mlp().parameters())
+    plan, report = sw.autoplan(mlp, x, budget=int(3.6 * params), max_slowdown=5.0, device="cuda")
+    assert any(s.name == "step_in_backward" for s in plan.steps), "\n".join(report.notes)
+    assert any(n.startswith("the answer cuts more than activations: gradients") for n in report.notes), report.notes
+    assert any(n.startswith("fits in ") for n in report.notes), report.notes

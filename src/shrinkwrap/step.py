@@ -71,6 +71,8 @@ class Context:
     allow_lossy: bool = False
     device: torch.device = torch.device("cpu")
     max_groups: int = 4
+    budget: bool = False  # a memory budget was given: steps that cut the whole bill are worth their time
+    optimizer: Any = None  # the caller's optimizer factory, or None for AdamW
 
 
 @dataclasses.dataclass(frozen=True)

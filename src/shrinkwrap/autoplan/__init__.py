@@ -196,7 +196,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
               allow_lossy: bool, maximize: str, rounds: int, tolerance: float, isolate_candidates: bool,
               progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
     make, batch, options, cuda = rows.make, rows.batch, rows.options, rows.cuda
-    cands = candidates(probe, allow_lossy=allow_lossy, device=dev)
+    cands = candidates(probe, allow_lossy=allow_lossy, device=dev, budget=budget is not None, optimizer=options.optimizer)
     if progress:
         progress(0, len(cands) + rounds, "baseline and candidates")
     # Candidates are compared with a baseline measured the same way (in this process unless asked
@@ -275,6 +275,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     notes += [*unmet, *capped, f"plan: {final.plan or '(none: the model as it is)'}"]
     if compile_step is not None and final.role != "compiled":
         notes.append(_eager_won(search, tried, final))
+    notes += _bill_cut(base, final)
     if not cuda:
         notes.append("on a CPU the memory is the bytes saved for backward, and steps are taken for what they save: "
                      "a faster CPU step is no reason to take one")
@@ -309,6 +310,24 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if maximize == "batch":
         return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
     return final.plan, report
+
+
+_TERMS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"))
+
+
+def _bill_cut(base: Row, final: Row) -> list[str]:
+    """A note where the answer cuts the bill beyond activations (a step in backward, the state on
+    the CPU, half-precision weights): which terms, from what to what; and, where it steps the
+    optimizer in backward, that the step's options are the optimizer's defaults until set."""
+    if final is base or base.profile is None or final.profile is None:
+        return []
+    cut = [f"{label} {getattr(base.profile, key) / 2**20:.1f} -> {getattr(final.profile, key) / 2**20:.1f} MiB"
+           for key, label in _TERMS if getattr(final.profile, key) < 0.99 * getattr(base.profile, key)]
+    notes = [f"the answer cuts more than activations: {', '.join(cut)}"] if cut else []
+    if any(s.name == "step_in_backward" for s in final.plan.steps):
+        notes.append("the optimizer steps inside backward at its defaults: give the step your options "
+                     "(options={'lr': ...}) and train with sw.optimizer(model) as the optimizer")
+    return notes
 
 
 def _eager_won(search: _Search, tried: list[Row], final: Row) -> str:

@@ -36,9 +36,10 @@ class Effect:
 
 
 def candidates(model: nn.Module, *, allow_lossy: bool = False, device: str | torch.device | None = None,
-               max_groups: int = 4) -> list[Candidate]:
-    """What autoplan may try on ``model``: every registered step's candidates, in plan order."""
-    context = Context(allow_lossy, resolve_device(device), max_groups)
+               max_groups: int = 4, budget: bool = False, optimizer: Any = None) -> list[Candidate]:
+    """What autoplan may try on ``model``: every registered step's candidates, in plan order
+    (``budget``: a memory budget was given; ``optimizer``: the caller's optimizer factory)."""
+    context = Context(allow_lossy, resolve_device(device), max_groups, budget, optimizer)
     return [c for cls in registered() for c in cls.candidates(model, context)]
 
 

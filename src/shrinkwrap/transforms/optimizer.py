@@ -62,7 +62,7 @@ import torch.nn as nn
 
 from .. import _rewrite
 from ..select import require_module
-from ..step import Step, Targets
+from ..step import Candidate, Context, Step, Targets
 
 _HANDLE = "_sw_optimizer"  # where the root keeps its handle: the measuring harness reads it (no import)
 
@@ -548,6 +548,19 @@ class StepInBackward(Step):
         if self.state != "device":
             parts.append(f"state={self.state!r}")
         return f"{self.name}({', '.join(parts)})"
+
+    @classmethod
+    def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
+        """With a memory budget, on CUDA, where the baseline steps torch's AdamW (autoplan's
+        default optimizer, at its defaults): AdamW in backward, and with its state on the CPU;
+        with lossy steps allowed, :class:`LowBitAdamW` in backward. Not without a budget (they
+        cut gradients and optimizer state, which a time limit alone does not ask for), nor with
+        the caller's own optimizer, which cannot be built again a parameter at a time."""
+        if not context.budget or context.device.type != "cuda" or context.optimizer is not None:
+            return []
+        steps = [cls(torch.optim.AdamW), cls(torch.optim.AdamW, state="cpu")]
+        steps += [cls(LowBitAdamW)] if context.allow_lossy else []
+        return [Candidate((s,)) for s in steps]
 
     def targets(self, model: nn.Module) -> Targets:
         if _HANDLE in model.__dict__:
