@@ -112,6 +112,47 @@ def test_layers_of_a_module_dict_are_blocks_each_its_own_region():
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_block():
+    # ConvNeXt's shape: the search took the stages whole, whose rows alone read as their blocks'
+    # did; measured together, a region a block keeps less (a stage's recompute holds the whole
+    # stage). The plan with the stages' blocks each alone is measured, and answers.
+    import dataclasses
+    import sys
+
+    from types import SimpleNamespace
+
+    from shrinkwrap.report import Row
+
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
+    features = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[Block() for _ in range(3)]),
+                             nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)), nn.Sequential(*[Block() for _ in range(4)]))
+    model = nn.Sequential(features, nn.Linear(8, 1))
+    by_cover = {c.covers: c for c in candidates(model, device="cpu")}
+    stages = [by_cover[("0.1",)], by_cover[("0.3",)]]
+    blocks = [by_cover[("0.1.0", "0.1.1", "0.1.2")], by_cover[("0.3.0", "0.3.1", "0.3.2", "0.3.3")]]
+    halves = [by_cover[("0.3.0", "0.3.1")], by_cover[("0.3.2", "0.3.3")]]
+    effects = [ap.Effect(c, 100.0, 1.0) for c in stages + blocks + halves]
+    finer = ap._finer(effects[:2], effects)
+    assert [e.candidate for e in finer] == blocks  # the most blocks inside each stage, each alone
+    assert ap._finer(effects[2:4], effects) is None  # nothing finer than a region a block
+
+    whole, each = ap._plan(stages, model), ap._plan(blocks, model)
+    keeps = {str(whole): 600.0, str(each): 450.0}
+    prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
+    measured = []
+
+    class Search(ap._Search):
+        def measure_chosen(self, plan, isolate=True):
+            measured.append((str(plan), isolate))
+            return Row(plan, dataclasses.replace(prof, step_ms=9.0))
+
+    search = Search(SimpleNamespace(cuda=False), model, lambda r: keeps[str(r.plan)], 1000.0, 8.0, None, 10.0, False,
+                    False, 1.25)
+    tried = search.verify(effects[:2], [], effects, 1, None, 0)
+    assert [t for t, isolate in measured if not isolate] == [str(whole), str(each)]
+    assert search.final(tried).plan == each
+
+
 def test_budgets_read_as_bytes_text_or_fraction():
     assert parse_budget(1000, 5000) == 1000
     assert parse_budget("4GiB", 0) == 4 * 2**30 and parse_budget("500MB", 0) == 500e6
