@@ -319,11 +319,24 @@ def zoo_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def latest_runs(rows: list[dict]) -> list[dict]:
+    """Each model's rows of its latest run, so that an error row of an earlier run cannot hide a
+    later result: a run's rows lie together in the file (zoo.py appends a model's rows at once)
+    and name their run (``run``)."""
+    runs: "OrderedDict[str, list[dict]]" = OrderedDict()
+    for i, r in enumerate(rows):
+        if i == 0 or (rows[i - 1]["model"], rows[i - 1].get("run")) != (r["model"], r.get("run")):
+            runs.pop(r["model"], None)
+            runs[r["model"]] = []
+        runs[r["model"]].append(r)
+    return [r for group in runs.values() for r in group]
+
+
 def zoo_section() -> list[str]:
     rows = load("zoo.json")
     if not rows:
         return []
-    latest_run = latest(rows, lambda r: (r["model"], r["config"]))
+    latest_run = latest_runs(rows)
     out = ["## autoplan on models it was not tuned on", "",
            "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench models, "
            "each in a process of its own, one a GPU. Each cell: activation (peak less static) x fp32's @ step time x "

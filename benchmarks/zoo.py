@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,7 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
     fails or outruns ``timeout`` (or the ``deadline``, seconds from now) is a row with its error."""
     waiting, running, rows = list(models), {}, []
     free = list(gpus)
+    run = time.strftime("%Y-%m-%dT%H:%M:%S")  # the rows' run, so a later one replaces it whole (results.py)
     end = None if deadline is None else time.monotonic() + deadline
     folder = tempfile.mkdtemp(prefix="zoo-")
     while waiting or running:
@@ -145,30 +147,32 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             cmd = [sys.executable, __file__, "--one", name, "--rounds", str(rounds), "--json", out,
                    *(["--compile"] if with_compile else [])]
             with open(out + ".log", "w") as log:  # the child's stderr: its last line says why it failed
-                running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log),
-                                 gpu, out, time.monotonic())
+                # A session of its own: autoplan's spawned processes go with it when it is stopped.
+                running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log,
+                                                  start_new_session=True), gpu, out, time.monotonic())
         if end is not None and time.monotonic() >= end:
             rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed"} for n in waiting]
             waiting = []
         time.sleep(1)
         for name, (process, gpu, out, started) in list(running.items()):
             over = time.monotonic() - started > timeout
-            late = over or (end is not None and time.monotonic() >= end)
+            late = process.poll() is None and (over or (end is not None and time.monotonic() >= end))
             if process.poll() is None and not late:
                 continue
-            if process.poll() is None:
-                process.kill()
+            if late:
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
             del running[name]
             free.append(gpu)
-            got = [json.loads(line) for line in Path(out).read_text().splitlines()] if os.path.exists(out) else []
+            got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
+                if os.path.exists(out) else []  # a line cut short by the kill is left out
             if not got:
                 said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
                 why = (f"timed out after {time.monotonic() - started:.0f} s" if over else
                        f"stopped at the run's deadline after {time.monotonic() - started:.0f} s") if late else \
                     f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
                 got = [{"model": name, "config": "all", "error": why}]
-            rows += got
+            rows += [{**r, "run": run} for r in got]
             print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,
                   flush=True)
     return rows

@@ -132,9 +132,14 @@ def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_blo
     blocks = [by_cover[("0.1.0", "0.1.1", "0.1.2")], by_cover[("0.3.0", "0.3.1", "0.3.2", "0.3.3")]]
     halves = [by_cover[("0.3.0", "0.3.1")], by_cover[("0.3.2", "0.3.3")]]
     effects = [ap.Effect(c, 100.0, 1.0) for c in stages + blocks + halves]
-    finer = ap._finer(effects[:2], effects)
-    assert [e.candidate for e in finer] == blocks  # the most blocks inside each stage, each alone
-    assert ap._finer(effects[2:4], effects) is None  # nothing finer than a region a block
+    finer = ap._finer(effects[:2], model)
+    assert [e.candidate.covers for e in finer] == [c.covers for c in blocks]  # every block of each stage, each alone
+    assert ap._finer(effects[2:4], model) is None  # nothing finer than a region a block
+    # A region over a stage of stages gives the blocks inside them: features whole gives every
+    # block of both stages, and the module between them that is a block of features itself.
+    (outer,) = [c for c in candidates(model, device="cpu") if c.covers == ("0",)]
+    inner = ap._finer([ap.Effect(outer, 100.0, 1.0)], model)[0].candidate.covers
+    assert set(inner) == {"0.2", *blocks[0].covers, *blocks[1].covers}
 
     whole, each = ap._plan(stages, model), ap._plan(blocks, model)
     keeps = {str(whole): 600.0, str(each): 450.0}
@@ -284,8 +289,12 @@ def test_an_answer_its_fresh_process_reads_over_the_budget_hands_the_answer_to_t
 def test_least_memory_within_a_slowdown():
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, **FAST)
     singles = [report.value(r) for r in report.rows[1:] if r.role != "chosen"]
-    assert report.value(report.rows[-1]) <= min(singles)   # no single candidate does better
-    assert "checkpoint('1')" in str(plan)                 # the whole stage: the least memory here
+    answer = next(r for r in report.rows if r.plan == plan)
+    assert report.value(answer) <= min(singles)   # no single candidate does better
+    assert "checkpoint('1')" in str(plan)         # the whole stage: the least memory here
+    # A region a block was measured too (the stage's blocks each alone), and kept more here.
+    (each,) = [r for r in report.rows if r.role == "chosen" and str(r.plan).startswith(r"checkpoint(r'1\.\d+')")]
+    assert report.value(each) > report.value(answer)
 
 
 def test_the_largest_batch_that_fits():
@@ -1005,6 +1014,24 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
     p = rows([sw.Plan.parse("swish()")], False)[0].profile
     assert (p.peak, p.first_peak, p.static) == (1000, 1200, 400)
     rows.close()
+
+
+def test_rows_an_earlier_call_verified_count_only_where_this_call_could_answer_with_them():
+    from shrinkwrap.autoplan import _answerable
+    from shrinkwrap.report import Row
+
+    texts = ["checkpoint('1.0')", "checkpoint('1.0'), autocast(torch.bfloat16)", "checkpoint('1.0'), compile()"]
+    cache = {(t, True): Row(sw.Plan.parse(t), None) for t in texts}
+    cache["checkpoint('1.1')", False] = Row(sw.Plan.parse("checkpoint('1.1')"), None)  # this process's: a candidate
+    cache["", True] = Row(sw.Plan(), None)  # the baseline
+
+    def answerable(**kw):
+        cands = candidates(mlp(), device="cpu", allow_lossy=kw.get("allow_lossy", False))
+        return [str(r.plan) for r in _answerable(cache, cands, kw.get("compile"), kw.get("allow_lossy", False))]
+
+    assert answerable() == texts[:1]  # neither the lossy plan nor the compiled one
+    assert answerable(allow_lossy=True) == texts[:2]
+    assert answerable(allow_lossy=True, compile=sw.Plan.parse("compile()")) == texts
 
 
 def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gpu(monkeypatch):

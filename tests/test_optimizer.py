@@ -332,6 +332,21 @@ def test_autoplan_tries_the_step_in_backward_with_a_budget_on_cuda_and_its_defau
     assert got(device=cuda, budget=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) == []
 
 
+def test_one_step_in_backward_a_plan_and_its_candidates_exclude_each_other():
+    from shrinkwrap.autoplan.choose import Effect, _search, candidates
+    from shrinkwrap.step import Context
+    from shrinkwrap.transforms.optimizer import StepInBackward
+
+    with pytest.raises(sw.PlanError, match="keep one step_in_backward"):
+        sw.Plan.parse("step_in_backward(torch.optim.AdamW), step_in_backward(torch.optim.AdamW, state='cpu')")
+    on_device, on_cpu = StepInBackward.candidates(Net(), Context(device=torch.device("cuda"), budget=True))
+    others = candidates(Net(), device="cpu")
+    assert on_device.overlaps(on_cpu) and others and not any(on_device.overlaps(c) for c in others)
+    # Their savings do not add: a budget neither reaches alone is not "reached" by both.
+    effects = [Effect(on_device, 200.0, 1.0), Effect(on_cpu, 300.0, 5.0)]
+    assert [e.candidate for e in _search(effects, 1000.0, 10.0, 600.0, None)] == [on_cpu]
+
+
 def test_an_answer_that_steps_in_backward_says_which_terms_it_cut_and_that_its_options_are_defaults():
     from shrinkwrap.autoplan import _bill_cut
     from shrinkwrap.report import Row

@@ -17,7 +17,7 @@ def test_results_md_is_what_the_rows_make():
 def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_targets():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from results import zoo_lines
+        from results import latest_runs, zoo_lines
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -36,3 +36,6 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-1] == "40.0 / 75.0 / -"
     assert any("| broken | error: timed out after 900 s" in line for line in lines)
     assert "Dominated: 1 of 2 answers (m auto_small)" in lines[-2] and "m auto_small 75 s" in lines[-2]
+    # A model's later run replaces its earlier one whole, an error row of the earlier one too.
+    again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
+    assert latest_runs(rows + again) == rows[:-1] + again

@@ -166,14 +166,15 @@ class Report:
         return None if None in values else max(values)
 
     def frontier(self) -> list[Row]:
-        """The rows no other row beats on both memory and step time (the plans worth choosing
-        between: less memory costs time along them), by memory, least first.
+        """The plans' rows no other row beats on both memory and step time (the plans worth
+        choosing between: less memory costs time along them), by memory, least first; rows of
+        other batch sizes (``maximize="batch"``) are left out.
 
         Example::
 
             >>> [(r.plan, r.profile.step_ms) for r in report.frontier()]
         """
-        rows = [r for r in self.rows if self.value(r) is not None]
+        rows = [r for r in self.rows if self.value(r) is not None and r.role != "batch"]  # plans, at one batch
 
         def beats(a: Row, b: Row) -> bool:
             va, vb, ta, tb = self.value(a), self.value(b), a.profile.step_ms, b.profile.step_ms

@@ -56,7 +56,10 @@ class Candidate:
         return ", ".join(str(s) for s in self.steps)
 
     def overlaps(self, other: "Candidate") -> bool:
-        return any(_inside(a, b) or _inside(b, a) for a in self.covers for b in other.covers)
+        """Whether the two cannot both be taken: they cover a module in common, or their steps
+        cannot share a plan (:meth:`Step.conflict`)."""
+        return any(_inside(a, b) or _inside(b, a) for a in self.covers for b in other.covers) or any(
+            a.conflict(b) or b.conflict(a) for a in self.steps for b in other.steps)
 
 
 def _inside(name: str, region: str) -> bool:

@@ -242,7 +242,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)
     # Rows measured but not verified, this call's and the plans an earlier call with the same cache
     # verified, where one would beat the answer: measured as a chosen plan is (see undominated).
-    earlier = [r for (text, fresh), r in rows.cache.items() if fresh and text]
+    earlier = _answerable(rows.cache, cands, compile_step, allow_lossy)
     tried = search.undominated(tried, [*report.rows[1:], *earlier])
     verified = time.perf_counter()
     final, unmet = _answer(search, tried, base)
@@ -310,6 +310,16 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if maximize == "batch":
         return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
     return final.plan, report
+
+
+def _answerable(cache: dict, cands: list, compile_step: Plan | None, allow_lossy: bool) -> list[Row]:
+    """The rows an earlier call with the same cache measured in fresh processes whose plans this
+    call could answer with: made of the steps of its candidates (and its compile step), lossy
+    ones only where it allows them. A cache shared by a call with lossy steps, a budget or
+    ``compile`` would otherwise hand a call without them a plan it ruled out."""
+    kinds = {type(s) for c in cands for s in c.steps} | {type(s) for s in (compile_step.steps if compile_step else ())}
+    return [r for (text, fresh), r in cache.items() if fresh and text and all(
+        type(s) in kinds and (allow_lossy or not s.lossy) for s in r.plan.steps)]
 
 
 _TERMS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"))

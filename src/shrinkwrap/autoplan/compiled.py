@@ -62,10 +62,11 @@ def _every_block(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     groups = block_groups(model)
     stages = [container for container, _, _ in groups]  # a block holding a stack is a stage: its blocks count
     blocks = [b for _, names, _ in groups for b in names if not any(_inside(s, b) for s in stages)]
-    if not blocks:
+    every = Checkpoint(pattern_for(model, blocks)) if blocks else None
+    if every is None or not every.applies(model):
         return None
     kept = [s for s in plan.steps if not isinstance(s, Checkpoint)]
-    return Plan(sorted([Checkpoint(pattern_for(model, blocks)), *kept], key=lambda s: s.order)) + step
+    return Plan(sorted([every, *kept], key=lambda s: s.order)) + step
 
 
 def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:

@@ -21,7 +21,9 @@ from ..measure.step import Options, forward_times, resolve_device, time_interlea
 from ..plan import Plan
 from ..processes import FreshProcesses, _build, _Copies, compile_ahead
 from ..report import Row
+from ..select import block_groups
 from ..step import Candidate, Step, _inside
+from ..transforms.checkpoint import Checkpoint
 from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
 from .compiled import _budgeted, _every_block, _Ahead, _cache_counts
 
@@ -135,7 +137,7 @@ class _Rows:
 
     def held(self) -> int:
         """The bytes this process holds on the GPU now: before the first row, a caller's tensors,
-        a model it passed as an instance, what earlier work left. A row
+        a model it passed as an instance, what earlier work left (not cuBLAS's workspaces). A row
         measured here would read them as its own (in a test process after two other tests, on an
         H100, resnet18's rows read about 386 MiB above their fresh figures: ``channels_last()``
         965.1 MiB against a fresh baseline of 579.8, and autoplan found no plan within a budget of
@@ -143,6 +145,11 @@ class _Rows:
         if not self.cuda or not torch.cuda.is_initialized():
             return 0
         gc.collect()  # a model in a reference cycle waits for the collector
+        # cuBLAS's workspaces from the caller's matmuls would be the rows' own in a fresh process:
+        # let go, they are made again by the first row that needs them, and count there.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # a CUDA build's
+        if clear is not None:
+            clear()
         return torch.cuda.memory_allocated(self.options.device)
 
     def forward_ms(self, plan: Plan) -> dict[str, float]:
@@ -165,21 +172,30 @@ class _Rows:
         self.fresh.close()
 
 
-def _finer(chosen: list[Effect], effects: list[Effect]) -> list[Effect] | None:
-    """``chosen`` with each region over one module (a stage) replaced by the candidate inside it
-    over the most blocks, each a region of its own; None where there is none. A stage's region
+def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
+    """``chosen`` with each region over one module that holds a stack of blocks (a stage, a
+    transformer's layers) replaced by a region per block inside it (the innermost blocks: a
+    stage of stages gives its stages' blocks); None where there is none. A stage's region
     recomputes the whole stage at once in backward and holds its activations then, a region per
-    block one block's; alone, their rows can read alike, and summed savings cannot tell them apart
-    where other regions move the peak. On an H100 (torch 2.11) autoplan's 1.0x answer for ConvNeXt-T
-    @64 checkpointed its stages features.1 and .3 whole and read 1909 MiB; torch's
-    ``checkpoint_wrapper`` on every block read 1089 MiB at a faster step."""
+    block one block's; alone, their rows can read alike, and summed savings cannot tell them
+    apart where other regions move the peak. On an H100 (torch 2.11) autoplan's 1.0x answer for
+    ConvNeXt-T @64 checkpointed its stages features.1 and .3 whole and read 1909 MiB; torch's
+    ``checkpoint_wrapper`` on every block read 1089 MiB at a faster step. The replacement's
+    figures stand in as the region's until its plan is measured."""
+    groups = block_groups(model)
+    stages = [container for container, _, _ in groups]
     out, changed = [], False
     for e in chosen:
-        covers = e.candidate.covers
-        inner = [f for f in effects if len(covers) == 1 and len(f.candidate.covers) > 1 and f.error is None
-                 and all(n != covers[0] and _inside(n, covers[0]) for n in f.candidate.covers)]
-        out.append(max(inner, key=lambda f: len(f.candidate.covers)) if inner else e)
-        changed = changed or bool(inner)
+        covers, steps = e.candidate.covers, e.candidate.steps
+        inner = [] if len(covers) != 1 or not all(isinstance(s, Checkpoint) and not s.chain for s in steps) else [
+            b for _, names, _ in groups for b in names
+            if b != covers[0] and _inside(b, covers[0]) and not any(_inside(s, b) for s in stages)]
+        step = Checkpoint(tuple(inner)) if len(inner) > 1 else None
+        if step is not None and step.applies(model):
+            out.append(dataclasses.replace(e, candidate=Candidate((step,), tuple(inner))))
+            changed = True
+        else:
+            out.append(e)
     return out if changed else None
 
 
@@ -415,7 +431,7 @@ class _Search:
             chosen += nxt
         if tried and self.target is not None and not self.by_memory and self.fits(tried[-1]):
             tried += self._pruned(chosen, in_base, tried[-1], rounds)
-        finer = _finer(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen, effects)
+        finer = _finer(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen, self.model)
         plan = _plan([e.candidate for e in finer], self.model) if finer else None
         if plan is not None and plan not in {t.plan for t in tried}:
             self.sets.setdefault(str(plan), finer)

@@ -562,6 +562,11 @@ class StepInBackward(Step):
         steps += [cls(LowBitAdamW)] if context.allow_lossy else []
         return [Candidate((s,)) for s in steps]
 
+    def conflict(self, other: Step) -> str | None:
+        if isinstance(other, StepInBackward):
+            return "one optimizer steps each parameter in backward; keep one step_in_backward()"
+        return None
+
     def targets(self, model: nn.Module) -> Targets:
         if _HANDLE in model.__dict__:
             return Targets()  # applied already
