@@ -360,3 +360,25 @@ def test_an_answer_that_steps_in_backward_says_which_terms_it_cut_and_that_its_o
     assert cut == f"the answer cuts more than activations: gradients {grads:.1f} -> 0.0 MiB" and grads > 0
     assert "options={'lr': ...}" in options and "sw.optimizer(model)" in options
     assert _bill_cut(base, base) == [] and _bill_cut(base, Row(sw.Plan.parse("swish()"), base.profile)) == []
+
+
+def test_a_gpu_parameter_s_state_on_the_cpu_steps_with_the_fused_cpu_optimizer_to_rounding():
+    from shrinkwrap.transforms.optimizer import LowBitAdamW, _cpu_optimizer
+
+    options = {"lr": 1e-3, "weight_decay": 0.01, "foreach": False}
+    torch.manual_seed(0)
+    a = torch.randn(1000, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    fused, single = _cpu_optimizer(torch.optim.AdamW, a, options, fused=True), _cpu_optimizer(
+        torch.optim.AdamW, b, options, fused=False)
+    assert fused.defaults["fused"] and not single.defaults.get("fused")
+    for _ in range(3):
+        g = torch.randn(1000)
+        a.grad, b.grad = g.clone(), g.clone()
+        fused.step()
+        single.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # A class without a fused form takes the options as given.
+    for cls in (torch.optim.RMSprop, LowBitAdamW):
+        opt = _cpu_optimizer(cls, torch.zeros(4, requires_grad=True), {"lr": 0.1}, fused=True)
+        assert type(opt) is cls and not opt.defaults.get("fused")
