@@ -1279,3 +1279,18 @@ def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row
     (row,) = rows([bad], False)
     assert row.profile is None and "no_such_module" in row.error
     rows.close()
+
+
+def test_the_note_on_an_eager_answer_says_a_compiled_plan_did_not_train_under_the_cap():
+    from types import SimpleNamespace
+
+    from shrinkwrap.autoplan import _eager_won
+    from shrinkwrap.autoplan.stages import _Search
+
+    rows, metric = _rows({"checkpoint('a')": (500.0, 20.0), "checkpoint('a'), compile()": (450.0, 30.0)})
+    eager, compiled = rows
+    compiled.role, compiled.fits = "compiled", False
+    search = _Search(SimpleNamespace(cuda=True), None, metric, 1000.0, 8.0, 800.0, None, False, False)
+    assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): did not train under the budget's cap")
+    compiled.fits = None  # within the budget, and slower than the answer
+    assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): slower (30.0 ms)")

@@ -18,7 +18,9 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       step (the row's label: "baseline", the step's text, "chosen (round 1)", ...),
       plan (the row's whole plan as text),
       role ("baseline" | "step" | "candidate" | "chosen" | "compiled" | "batch"), round (autoplan's
-        verification round, or null), batch_size and fits (maximize="batch" rows, or null),
+        verification round, or null), batch_size and fits (maximize="batch" rows: whether the
+        batch fits the budget; autoplan's chosen rows: false where the plan read within the
+        budget but did not train under its cap; else null),
       status ("ok" | "oom" | "failed"), error (null or the message),
       value_mib (the metric; of the largest rank under a process group), delta_prev_mib,
       delta_base_mib, ratio_base,
@@ -80,7 +82,8 @@ class Row:
     ``role`` is ``"baseline"``, ``"step"`` (a plan report's row: the plan up to that step),
     ``"candidate"`` (autoplan), ``"chosen"`` (autoplan's verification ``round``), ``"compiled"``
     (autoplan's ``compile`` stage) or ``"batch"``
-    (``maximize="batch"``: ``batch_size`` and whether it ``fits``). :attr:`label` is its text.
+    (``maximize="batch"``: ``batch_size`` and whether it ``fits``; a chosen plan that read within
+    autoplan's budget but did not train under its cap: ``fits`` false). :attr:`label` is its text.
     ``fit``: the smallest memory cap under which it trained (:func:`shrinkwrap.fit`), where tested;
     ``trained_under``: a cap it trained under (autoplan's check of its budget); ``time_ratio``: its
     step time over the baseline's, timed in turns with it in one process, where it was (the

@@ -349,6 +349,8 @@ def _eager_won(search: _Search, tried: list[Row], final: Row) -> str:
         mem = search.metric(r)
         if search.target is not None and mem > search.target:
             return f"over the budget ({mem / 2**20:.1f} MiB)"
+        if r.fits is False:
+            return "did not train under the budget's cap"
         if not search.fits_time(r):
             return f"over the step-time limit ({r.profile.step_ms:.1f} ms)"
         if final.profile is None or (search.target is not None and not search.by_memory) or \
@@ -383,6 +385,7 @@ def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row |
             notes.append(f"fits in {cap / 2**20:.0f} MiB: {row.plan or 'the model as it is'} trained {ITERATIONS} iterations "
                          f"under a {cap / 2**20:.0f} MiB cap (the allocator reserved at most {probe.reserved / 2**20:.0f} MiB)")
             return row, notes
+        row.fits = False  # read within the budget, but not trained under its cap
         notes.append(f"{row.plan or 'the model as it is'} reads within the budget but did not train under a "
                      f"{cap / 2**20:.0f} MiB cap: {probe.error}")
     return None, notes
