@@ -338,8 +338,9 @@ def zoo_section() -> list[str]:
         return []
     latest_run = latest_runs(rows)
     out = ["## autoplan on models it was not tuned on", "",
-           "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench models, "
-           "each in a process of its own, one a GPU. Each cell: activation (peak less static) x fp32's @ step time x "
+           "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench models "
+           "at their benchmark batch (efficientnet_b0: 128), each in a process of its own, one a GPU; autoplan "
+           "eager unless a compile=True column has figures. Each cell: activation (peak less static) x fp32's @ step time x "
            "compile + bf16's, medians timed in turns in that process. Dominated: another row with at least 2% less "
            "activation whose slowest round is faster than the answer's fastest. \"every block\": torch's "
            "`checkpoint_wrapper` on the block classes a user names (`zoo.ZOO`) under bf16 autocast.", ""]
