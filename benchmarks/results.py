@@ -44,6 +44,11 @@ def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
     return "-" if a is None or not b else f"{a / b:.{digits}f}"
 
 
+def spread(r: dict, digits: int = 2) -> str:
+    """A row's median step time with its fastest and slowest round: ``12.34 (11.90-13.01)``."""
+    return f"{num(r['step_ms'], digits)} ({num(r.get('step_ms_low'), digits)}-{num(r.get('step_ms_high'), digits)})"
+
+
 def table(headers: list[str], rows: Iterable[list[str]]) -> list[str]:
     esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
     return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
@@ -144,7 +149,7 @@ def bill_section() -> list[str]:
         out += ["Step times of the qwen05b rows in turns in one process (5 rounds of 2 iterations; tokens per "
                 "second from the median):", ""]
         out += table(["config", "step ms (rounds low-high)", "x best", "tokens/s"],
-                     [[r["config"], f"{num(r['step_ms'])} ({num(r['step_ms_low'])}-{num(r['step_ms_high'])})",
+                     [[r["config"], spread(r, 1),
                        f"{r['x_best']:.2f}", str(r["tokens_per_s"])] for r in times])
         out += [f"Run: {stamp(times)}.", ""]
     heads = [r for r in mem if r["model"] == "llama3b" and "peak_mib" in r]
@@ -236,7 +241,7 @@ def _frontier_table(m: str, run: str, mine: list[dict]) -> list[str]:
             continue
         body.append([r["config"], code(r.get("plan")), num(r["activation_mib"]),
                      ratio(r["activation_mib"], anchor and anchor["activation_mib"]),
-                     f"{num(r['step_ms'], 2)} ({num(r.get('step_ms_low'), 2)}-{num(r.get('step_ms_high'), 2)})",
+                     spread(r),
                      ratio(r["step_ms"], anchor and anchor["step_ms"]), ", ".join(r.get("dominated_by") or []) or "-"])
     return [f"### {m} (run {run}: {stamp(mine)})", "",
             *table(["config", "plan", "activation MiB", "x compile+bf16", "step ms (low-high)", "time x compile+bf16",
@@ -264,7 +269,7 @@ def multigpu_section() -> list[str]:
     out += table(["model", "config", "plan", "activation MiB a rank", "peak MiB a rank", "step ms (low-high)"],
                  [[r["model"], r["config"], code(r.get("plan")), num(r["activation_mib"]),
                    num(max(r.get("peak_per_rank_mib") or [0])),
-                   f"{num(r['step_ms'], 2)} ({num(r.get('step_ms_low'), 2)}-{num(r.get('step_ms_high'), 2)})"]
+                   spread(r)]
                   for r in rows])
     return out + [f"Runs: {stamp(rows)}.", ""]
 

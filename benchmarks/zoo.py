@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
 from frontier import dominated_by  # noqa: E402
-from run import MODELS, HandAutocast, _load, compiled, measure_same_run, torch_checkpoint_blocks  # noqa: E402
+from run import ANCHORS, MODELS, HandAutocast, _load, compiled, measure_same_run  # noqa: E402
 from run import build as build_bench  # noqa: E402
 
 BATCH = 64
@@ -92,10 +92,14 @@ def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
 
 
 def recipes(make: Callable[[], nn.Module], blocks: tuple[str, ...]) -> dict[str, Callable[[], nn.Module]]:
-    """The one-line recipes, as users write them; the partitioner's budget last (a global setting)."""
-    every = lambda: HandAutocast(torch_checkpoint_blocks(make(), blocks))  # noqa: E731
-    return {"base_fp32": make, "compile+bf16": lambda: compiled(HandAutocast(make())),
-            "ckpt_every_block+bf16": every, "ckpt_every_block+bf16_compiled": lambda: compiled(every()),
+    """The one-line recipes, as users write them (``run.ANCHORS``, the same compiled, and compile +
+    bf16 under the partitioner's budget, last: a global setting)."""
+    def anchor(name: str) -> Callable[[], nn.Module]:
+        return lambda: ANCHORS[name](make(), blocks, None)
+
+    every = anchor("ckpt_every_block+bf16")
+    return {**{name: anchor(name) for name in ("base_fp32", "compile+bf16", "ckpt_every_block+bf16")},
+            "ckpt_every_block+bf16_compiled": lambda: compiled(every()),
             "compile_budget0.5+bf16": lambda: compiled(HandAutocast(make()), 0.5)}
 
 

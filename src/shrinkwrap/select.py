@@ -289,3 +289,21 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
         out.append((name, [n for n, _ in blocks], nested))
         real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
     return out
+
+
+def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
+    """The blocks of the model's stacks (:func:`block_groups`) inside the module named ``within``
+    (the whole model by default) that hold no stack themselves: a stage's blocks rather than the
+    stage, and the blocks of a stage of stages.
+
+    Example::
+
+        >>> innermost_blocks(convnext, "features.1")   # ['features.1.0', 'features.1.1', 'features.1.2']
+    """
+    def inside(name: str, region: str) -> bool:
+        return not region or name == region or name.startswith(region + ".")
+
+    groups = block_groups(model)
+    stages = [container for container, _, _ in groups]
+    return [b for _, names, _ in groups for b in names
+            if b != within and inside(b, within) and not any(inside(s, b) for s in stages)]

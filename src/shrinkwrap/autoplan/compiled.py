@@ -9,7 +9,7 @@ import dataclasses
 import torch.nn as nn
 
 from ..plan import Plan
-from ..select import block_groups, pattern_for
+from ..select import innermost_blocks, pattern_for
 from ..step import Step, _inside
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
@@ -59,9 +59,7 @@ def _every_block(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     H200 (torch 2.11) that recipe compiled kept Swin-T @64 at 0.196x fp32's activation and 1.28x
     compile + bf16's time, where an eager answer of autoplan kept 0.30x at 3.07x. ``None`` where
     the model has no stack of blocks."""
-    groups = block_groups(model)
-    stages = [container for container, _, _ in groups]  # a block holding a stack is a stage: its blocks count
-    blocks = [b for _, names, _ in groups for b in names if not any(_inside(s, b) for s in stages)]
+    blocks = innermost_blocks(model)
     every = Checkpoint(pattern_for(model, blocks)) if blocks else None
     if every is None or not every.applies(model):
         return None

@@ -21,8 +21,8 @@ from ..measure.step import Options, forward_times, resolve_device, time_interlea
 from ..plan import Plan
 from ..processes import FreshProcesses, _build, _Copies, compile_ahead
 from ..report import Row
-from ..select import block_groups
-from ..step import Candidate, Step, _inside
+from ..select import innermost_blocks
+from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
 from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
 from .compiled import _budgeted, _every_block, _Ahead, _cache_counts
@@ -182,14 +182,11 @@ def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
     ConvNeXt-T @64 checkpointed its stages features.1 and .3 whole and read 1909 MiB; torch's
     ``checkpoint_wrapper`` on every block read 1089 MiB at a faster step. The replacement's
     figures stand in as the region's until its plan is measured."""
-    groups = block_groups(model)
-    stages = [container for container, _, _ in groups]
     out, changed = [], False
     for e in chosen:
         covers, steps = e.candidate.covers, e.candidate.steps
-        inner = [] if len(covers) != 1 or not all(isinstance(s, Checkpoint) and not s.chain for s in steps) else [
-            b for _, names, _ in groups for b in names
-            if b != covers[0] and _inside(b, covers[0]) and not any(_inside(s, b) for s in stages)]
+        region = len(covers) == 1 and all(isinstance(s, Checkpoint) and not s.chain for s in steps)
+        inner = innermost_blocks(model, covers[0]) if region else []
         step = Checkpoint(tuple(inner)) if len(inner) > 1 else None
         if step is not None and step.applies(model):
             out.append(dataclasses.replace(e, candidate=Candidate((step,), tuple(inner))))
