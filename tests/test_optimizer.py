@@ -101,6 +101,38 @@ def test_a_checkpoint_of_the_handle_resumes_training_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), resumed.parameters()))
 
 
+def test_a_plain_optimizer_s_state_dict_loads_and_each_parameter_keeps_its_own_step():
+    torch.manual_seed(0)
+    ref = Net().double()
+    batch = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    model = copy.deepcopy(ref)
+    # A plain loop of one group a parameter, default (foreach unset), saved after two steps.
+    plain = torch.optim.AdamW([{"params": [p]} for p in ref.parameters()], **OPTIONS)
+    _loop(ref, plain, batch, 2, scheduler=False)
+    model.load_state_dict(ref.state_dict())
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS})")
+    opt.load_state_dict(copy.deepcopy(plain.state_dict()))  # as torch.load gives it: tensors of its own
+    assert all(o.param_groups[0]["foreach"] is False for o in opt.optimizers.values())
+    _loop(ref, plain, batch, 2, scheduler=False)
+    _loop(model, opt, batch, 2, scheduler=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("state", ["device", "cpu"])
+def test_a_model_dropped_without_revert_lets_go_of_its_parameters_and_state(state):
+    import gc
+    import weakref
+
+    model, opt = _stepped(state)
+    opt.step()  # as a loop does: the CPU's steps are done (those in flight hold their parameter until then)
+    params = [weakref.ref(p) for p in model.parameters()]
+    state_tensors = [weakref.ref(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert state_tensors
+    del model, opt
+    gc.collect()
+    assert not any(r() is not None for r in params + state_tensors)
+
+
 def _stepped(state="device"):
     torch.manual_seed(0)
     model = Net().double()
@@ -362,14 +394,14 @@ def test_an_answer_that_steps_in_backward_says_which_terms_it_cut_and_that_its_o
     assert _bill_cut(base, base) == [] and _bill_cut(base, Row(sw.Plan.parse("swish()"), base.profile)) == []
 
 
-def test_a_gpu_parameter_s_state_on_the_cpu_steps_with_the_fused_cpu_optimizer_to_rounding():
-    from shrinkwrap.transforms.optimizer import LowBitAdamW, _cpu_optimizer
+def test_a_gpu_parameter_s_state_on_the_cpu_steps_with_the_fused_one_optimizer_to_rounding():
+    from shrinkwrap.transforms.optimizer import LowBitAdamW, _one_optimizer
 
     options = {"lr": 1e-3, "weight_decay": 0.01, "foreach": False}
     torch.manual_seed(0)
     a = torch.randn(1000, requires_grad=True)
     b = a.detach().clone().requires_grad_(True)
-    fused, single = _cpu_optimizer(torch.optim.AdamW, a, options, fused=True), _cpu_optimizer(
+    fused, single = _one_optimizer(torch.optim.AdamW, a, options, fused=True), _one_optimizer(
         torch.optim.AdamW, b, options, fused=False)
     assert fused.defaults["fused"] and not single.defaults.get("fused")
     for _ in range(3):
@@ -380,5 +412,5 @@ def test_a_gpu_parameter_s_state_on_the_cpu_steps_with_the_fused_cpu_optimizer_t
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # A class without a fused form takes the options as given.
     for cls in (torch.optim.RMSprop, LowBitAdamW):
-        opt = _cpu_optimizer(cls, torch.zeros(4, requires_grad=True), {"lr": 0.1}, fused=True)
+        opt = _one_optimizer(cls, torch.zeros(4, requires_grad=True), {"lr": 0.1}, fused=True)
         assert type(opt) is cls and not opt.defaults.get("fused")

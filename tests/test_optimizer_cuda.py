@@ -58,11 +58,29 @@ def test_the_gradient_and_state_terms_leave_the_peak_and_training_matches_adamw(
 
 def test_autoplan_reaches_a_budget_only_the_step_in_backward_reaches_and_says_what_it_cut():
     # Parameters, gradients and AdamW's two moments hold 16 bytes a parameter, the activations of a
-    # 64-row batch next to nothing: no activation step reaches 3.6 x the parameters' bytes; the
-    # step in backward (about 12) does.
+    # 64-row batch next to nothing: no activation step reaches 4.2 x the parameters' bytes; the
+    # step in backward does (an H100, torch 2.11: 470 MiB, 3.67 x, with cuBLAS's workspace).
     x = torch.randn(64, 2048)
     params = sum(p.numel() * 4 for p in mlp().parameters())
-    plan, report = sw.autoplan(mlp, x, budget=int(3.6 * params), max_slowdown=5.0, device="cuda")
+    plan, report = sw.autoplan(mlp, x, budget=int(4.2 * params), max_slowdown=5.0, device="cuda")
     assert any(s.name == "step_in_backward" for s in plan.steps), "\n".join(report.notes)
     assert any(n.startswith("the answer cuts more than activations: gradients") for n in report.notes), report.notes
-    assert any(n.startswith("fits in ") for n in report.notes), report.notes
+    assert any(n.startswith("fits in ") for n in report.notes), "\n".join(report.notes)
+
+
+def test_a_gpu_parameter_steps_with_the_fused_kernel_and_matches_the_fused_loop_bit_for_bit():
+    ref, model = mlp().cuda(), sw.apply(mlp().cuda(), "step_in_backward(torch.optim.AdamW, options={'lr': 0.01})")
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True), sw.optimizer(model)
+    assert all(o.defaults["fused"] for o in opt.optimizers.values())
+    x = torch.randn(64, 2048, device="cuda")
+    for _ in range(3):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    # A plain optimizer's state_dict loads without turning the per-parameter steps to foreach.
+    plain = torch.optim.AdamW([{"params": [p]} for p in mlp().cuda().parameters()], lr=0.01)
+    opt.load_state_dict(plain.state_dict())
+    assert all(o.param_groups[0]["fused"] for o in opt.optimizers.values())

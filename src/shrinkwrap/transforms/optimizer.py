@@ -10,8 +10,10 @@ term away, and with ``state="cpu"`` the state too:
   (``Tensor.register_post_accumulate_grad_hook``; FSDP2 runs these hooks on the sharded gradient
   it reduced), and the gradient is dropped at once: no parameter's gradient waits for the others,
   and the optimizer's multi-tensor temporaries, parameter-sized, are one parameter's. The weights
-  after N iterations are the plain loop's bit for bit (a per-parameter step computes what the
-  loop's single-tensor step computes; ``foreach`` is off for both).
+  after N iterations are the plain loop's bit for bit: on the CPU the loop's with ``foreach``
+  off (a per-parameter step computes what its single-tensor step computes); on CUDA, where the
+  class has a fused kernel (AdamW, Adam, SGD), the loop's with ``fused=True``, since one launch a
+  parameter instead of one an operation is what keeps a step inside backward from stalling it.
 - **State on the CPU** (``state="cpu"``, exact). Each parameter's optimizer state, and a copy of
   it (float32 where the parameter is half: the master copy), lives in pinned CPU memory; its
   gradient goes down on a side stream as backward produces it, a worker thread steps it on the
@@ -262,19 +264,20 @@ class _OnCpu:
         self.master.copy_(p.detach())
         self.master.requires_grad_(True)
         self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
-        self.optimizer = _cpu_optimizer(cls, self.master, options, fused=pinned)
+        self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
         self.ready: torch.cuda.Event | None = None
 
 
-def _cpu_optimizer(cls: type, master: torch.Tensor, options: dict, fused: bool) -> torch.optim.Optimizer:
-    """``cls`` over ``master``: fused where asked and the class has a fused form on the CPU (see
-    :class:`_OnCpu`), else with ``options`` as given."""
+def _one_optimizer(cls: type, p: torch.Tensor, options: dict, fused: bool) -> torch.optim.Optimizer:
+    """``cls`` over the one tensor ``p``: fused where asked and the class has a fused form for
+    ``p``'s device and dtype (a GPU parameter's CPU copy, see :class:`_OnCpu`; a GPU parameter, see
+    the module docstring), else with ``options`` as given (``foreach`` off)."""
     if fused:
         try:
-            return cls([master], **{**options, "foreach": None, "fused": True})
-        except (TypeError, ValueError, RuntimeError):  # no fused form of this class (on the CPU)
+            return cls([p], **{**options, "foreach": None, "fused": True})
+        except (TypeError, ValueError, RuntimeError):  # no fused form of this class here
             pass
-    return cls([master], **options)
+    return cls([p], **options)
 
 
 class InBackward(torch.optim.Optimizer):
@@ -376,8 +379,11 @@ class InBackward(torch.optim.Optimizer):
                              f"step-in-backward handle of {len(self.names)} parameters (one group a parameter)")
         self.wait()
         for i, (n, g) in enumerate(zip(self.names, groups)):
+            # How each optimizer steps (fused, foreach) stays its own: a plain optimizer's
+            # state_dict would otherwise turn a per-parameter step into its multi-tensor path.
+            own = {k: v for k, v in self.optimizers[n].param_groups[0].items() if k in ("foreach", "fused")}
             one = {"state": {0: state_dict["state"][i]} if i in state_dict["state"] else {},
-                   "param_groups": [{**g, "params": [0]}]}
+                   "param_groups": [{**g, **own, "params": [0]}]}
             self.optimizers[n].load_state_dict(one)
 
     # -- binding parameters ------------------------------------------------------------------------
@@ -398,7 +404,10 @@ class InBackward(torch.optim.Optimizer):
                 self.hooks.pop(n).remove()
             old = self.optimizers.get(n)
             on = _OnCpu(p, self.cls, self.options) if self.on_cpu else None
-            new = on.optimizer if on else self.cls([p], **self.options)
+            # A DTensor (FSDP2's shard) keeps the single-tensor step: torch's fused kernels are
+            # not among the operations DTensor shards in every version.
+            new = on.optimizer if on else _one_optimizer(
+                self.cls, p, self.options, fused=p.is_cuda and getattr(p, "_local_tensor", None) is None)
             if old is not None:
                 if any(old.state.values()):
                     raise RuntimeError(f"shrinkwrap: parameter {n!r} was replaced after training began (by "
@@ -412,7 +421,16 @@ class InBackward(torch.optim.Optimizer):
             self.hooks[n] = p.register_post_accumulate_grad_hook(self._hook(n))
 
     def _hook(self, name: str) -> Any:
+        # The hook reaches the handle through a weak reference: a tensor's hooks are held from C++,
+        # where the garbage collector cannot see them, so a handle -> parameter -> hook -> handle
+        # cycle would never be collected, and a model dropped without revert() would keep its
+        # parameters and optimizer state on the GPU.
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
+            handle = ref()
+            if handle is None:  # the model and its handle are gone
+                return
             if (torch.distributed.is_available() and torch.distributed.is_initialized()
                     and torch.distributed.get_world_size() > 1 and getattr(p, "_local_tensor", None) is None):
                 raise RuntimeError(
@@ -420,10 +438,10 @@ class InBackward(torch.optim.Optimizer):
                     "averages it across ranks: each rank would train on its own gradient. Use FSDP2 "
                     "(fully_shard), whose reduced gradient the step takes, or leave the step out.")
             dropped = _consumed(p)  # its norm, before the step uses it
-            if self.on_cpu:
-                self._to_cpu(name, p)
+            if handle.on_cpu:
+                handle._to_cpu(name, p)
             else:
-                self.optimizers[name].step()
+                handle.optimizers[name].step()
             p.grad = dropped
         return hook
 
@@ -600,7 +618,7 @@ class StepInBackward(Step):
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         if not targets.matched:
             return []
-        # One parameter a step: foreach would group it with none, and fused runs on CUDA only.
+        # One parameter a step: foreach would group it with none (fused is chosen per parameter).
         options = {**dict(self.options), "foreach": False}
         handle = InBackward(targets.payload, self.optimizer, options, self.state == "cpu")
         handle.model = weakref.ref(model)
