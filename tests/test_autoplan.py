@@ -1075,8 +1075,12 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
         def untouched(self):  # CUDA starts with the first row measured in this process
             return not cuda_started and not measured
 
+    from shrinkwrap.fit import Probe
+
     monkeypatch.setattr(ap, "measure_plans", recording)
     monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "_Rows", OnCuda)  # autoplan() makes its rows
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "trains_under",  # the cap test passes
+                        lambda make, batch, cap, plan, options: Probe(cap, True, reserved=cap))
     plan, report = sw.autoplan(mlp, BATCH, budget=budget, rounds=3, **FAST)
     chosen = [str(r.plan) for r in report.rows if r.role == "chosen"]
     fresh = [text for text, isolate in measured if isolate]
@@ -1093,6 +1097,46 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
         rows = {str(r.plan): r for r in report.rows}
         assert all(rows[t].role == "chosen" and report.value(rows[t]) <= 0.45 * report.value(report.rows[0])
                    for t in fresh[len(baseline):])
+
+
+def test_where_the_plans_read_within_the_budget_do_not_train_under_its_cap_the_search_aims_lower(monkeypatch):
+    import sys
+
+    from shrinkwrap.fit import Probe
+
+    ap, stages = sys.modules["shrinkwrap.autoplan"], sys.modules["shrinkwrap.autoplan.stages"]
+    made, probed, verified = [], [], []
+
+    class OnCuda(stages._Rows):  # a CUDA run's stages; its rows measured here, as if isolated
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.cuda = True
+            made.append(self)
+
+        def untouched(self):
+            return False
+
+    real, verify = stages.measure_plans, stages._Search.verify
+    monkeypatch.setattr(stages, "measure_plans", lambda make, plans, batch, options, *, isolate, **kw: real(
+        make, plans, batch, options, isolate=False, **kw))
+    monkeypatch.setattr(stages._Search, "verify", lambda self, *a, **k: verified.append(1) or verify(self, *a, **k))
+
+    def trains_under(make, batch, cap, plan, options):
+        # The plans of the first search do not train under the cap, as if they read low; later ones do.
+        ok = len(verified) > 1
+        probed.append((str(plan), made[0].cache[str(plan), False].profile.saved, ok))
+        return Probe(cap, ok, oom=not ok, error=None if ok else "OutOfMemoryError (as if)", reserved=cap)
+
+    monkeypatch.setattr(ap, "_Rows", OnCuda)
+    monkeypatch.setattr(ap, "trains_under", trains_under)
+    plan, report = sw.autoplan(mlp, BATCH, budget=0.9, rounds=3, **FAST)
+    failed = [saved for _, saved, ok in probed if not ok]
+    assert failed and any(n.startswith("aiming at ") for n in report.notes), "\n".join(report.notes)
+    assert any(n.startswith("fits in ") for n in report.notes), "\n".join(report.notes)
+    answer = next(r for r in report.rows if r.trained_under is not None)
+    assert str(answer.plan) == str(plan) == probed[-1][0]
+    assert report.value(answer) <= (1 - ap.HEADROOM) * min(failed)
+    assert all(r.fits is False for r in report.rows if str(r.plan) in {p for p, _, ok in probed if not ok})
 
 
 def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_meanwhile():
@@ -1294,3 +1338,28 @@ def test_the_note_on_an_eager_answer_says_a_compiled_plan_did_not_train_under_th
     assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): did not train under the budget's cap")
     compiled.fits = None  # within the budget, and slower than the answer
     assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): slower (30.0 ms)")
+
+
+def test_a_base_step_is_not_measured_together_with_a_candidate_that_cannot_share_its_plan(monkeypatch):
+    # Two whole-model candidates that conflict (one step_in_backward each): when the base takes one,
+    # the other is left out of the rows measured on top of it, not made into a plan that fails.
+    from shrinkwrap.autoplan import stages
+    from shrinkwrap.step import Candidate
+    from shrinkwrap.transforms.optimizer import StepInBackward
+
+    steps = [StepInBackward(torch.optim.AdamW), StepInBackward(torch.optim.SGD, {"lr": 0.1})]
+    monkeypatch.setattr(StepInBackward, "candidates", classmethod(lambda cls, model, context: [
+        Candidate((s,)) for s in steps]))
+    search, calls = stages._Search.search, []
+
+    def base_takes_the_first(self, effects, mem, t, target=None):
+        calls.append([str(e.candidate) for e in effects])
+        if len(calls) == 1:  # stage 1, the whole-model steps alone
+            return [e for e in effects if e.candidate.steps == (steps[0],)]
+        return search(self, effects, mem, t, target)
+
+    monkeypatch.setattr(stages._Search, "search", base_takes_the_first)
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=1.5, **FAST)
+    assert any(str(steps[0]) in str(r.plan) and len(r.plan) > 1 for r in report.rows)  # rows on top of the base
+    assert not any(str(steps[0]) in str(r.plan) and str(steps[1]) in str(r.plan) for r in report.rows)
+    assert not any(str(steps[1]) in c for c in calls[1])  # stage 3 searched without it
