@@ -27,9 +27,10 @@ ROW_KEYS = {
 }
 
 
-def prof(saved_mib: float, step_ms: float, peak_mib: float | None = None) -> Profile:
+def prof(saved_mib: float, step_ms: float, peak_mib: float | None = None, first_mib: float | None = None) -> Profile:
     cuda = peak_mib is not None
-    p = dict(peak=int(peak_mib * MiB), first_peak=int((peak_mib + 10) * MiB), static=40 * MiB) if cuda else {}
+    first = peak_mib - 10 if first_mib is None and cuda else first_mib
+    p = dict(peak=int(peak_mib * MiB), first_peak=int(first * MiB), static=40 * MiB) if cuda else {}
     phases = [Phase("zero_grad", 40 * MiB, 40 * MiB), Phase("forward", 90 * MiB, int(peak_mib * MiB)),
               Phase("loss", 90 * MiB, 90 * MiB), Phase("backward", 50 * MiB, 60 * MiB),
               Phase("step", 40 * MiB, 50 * MiB)] if cuda else []
@@ -76,6 +77,12 @@ def test_json_schema_field_names_are_stable(cuda):
         assert set(ok["phases"]) == {"first", "steady"} and set(ok["phases"]["steady"][0]) == {"phase", "allocated_mib", "peak_mib"}
     else:
         assert ok["breakdown"] == {} and ok["peak_mib"] is None and ok["phases"] == {"first": [], "steady": []}
+
+
+def test_on_cuda_a_row_s_figure_is_its_first_step_s_peak_where_that_is_the_larger():
+    report = Report([Row(Plan(), prof(100, 10.0, 200)), Row(Plan(), prof(50, 10.0, 150, first_mib=180))],
+                    "cuda:0", "Test GPU", torch.__version__)
+    assert [report.value(r) / MiB for r in report.rows] == [200, 180]
 
 
 @pytest.mark.parametrize("cuda", [False, True])
