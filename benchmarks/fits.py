@@ -12,6 +12,11 @@ first 8 iterations, compilation and recording included, bisected in fresh proces
 - ``best``: the plan RESULTS.md names as the model's best against compile + bf16 (``BEST``);
 - ``recipe``: the hand recipe of checkpointed blocks and bf16 autocast, eager (``run.RECIPES``' small).
 
+``--configs autoplan`` (not among the default ones) runs ``sw.autoplan`` with ``--budget`` (a share of
+the model's own reading, 0.5 by default; bf16 allowed) and writes its answer: the plan, its reading, the cap it
+trained under (autoplan trains its answer under the budget's cap before it returns it) and the
+seconds it took.
+
 Every figure of a row comes from the same GPU and run; one JSON object per row.
 """
 
@@ -22,6 +27,7 @@ import datetime
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,7 @@ BEST = {
             r"intermediate|output)')",
 }
 CONFIGS = ("fp32_eager", "compile_bf16", "best", "recipe")
+BUDGET = 0.5  # autoplan's budget, a share of the model's reading as it is
 
 
 def configured(model_name: str, config: str) -> nn.Module:
@@ -82,6 +89,28 @@ def estimated(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     return {"estimate_mib": round(est.peak / MiB, 1), "estimate_seconds": round(est.seconds, 1)}
 
 
+def answer(model_name: str, batch: Any, budget: float) -> dict[str, Any]:
+    """autoplan's answer for ``budget`` and whether it trained under the budget's cap."""
+    started = time.perf_counter()
+    plan, report = sw.autoplan(functools.partial(build, model_name), batch, budget=budget, device="cuda", allow_lossy=True,
+                               progress=lambda i, n, what: print(f"  autoplan {i}/{n} {what}", flush=True))
+    base = report.rows[0].profile
+    final = next((r for r in report.rows[::-1] if str(r.plan) == str(plan) and r.role != "candidate"), report.rows[0])
+    capped = [n for n in report.notes if n.startswith("fits in ") or "did not train under" in n
+              or n.startswith("no plan measured within the budget")]
+    out = {"model": model_name, "config": "autoplan", "kind": "autoplan", "plan": str(plan), "budget": budget,
+           "budget_mib": round(budget * base.peak / MiB, 1), "baseline_mib": round(base.peak / MiB, 1),
+           "allow_lossy": True, "autoplan_s": round(time.perf_counter() - started, 1), "cap_notes": capped,
+           "notes": report.notes,
+           "trained_under_mib": round(final.trained_under / MiB, 1) if final.trained_under else None,
+           "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": datetime.date.today().isoformat()}
+    if final.profile is None:
+        return {**out, "error": final.error}
+    return {**out, "reading_mib": round(final.profile.peak / MiB, 1), "static_mib": round(final.profile.static / MiB, 1),
+            "value_mib": round(report.value(final) / MiB, 1), "time_ratio": final.time_ratio}
+
+
 def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     make = functools.partial(configured, model_name, config)
     options = sw.Options(device="cuda")
@@ -111,6 +140,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODELS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--budget", type=float, default=BUDGET,
+                        help="autoplan's budget, a share of the model's reading as it is (--configs autoplan)")
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
     parser.add_argument("--estimate-only", action="store_true",
                         help="only the eager configurations' estimates, on this host's CPU (no GPU)")
@@ -129,7 +160,7 @@ def main() -> int:
         return 0
     rows = []
     for config in args.configs.split(","):
-        rows.append(row(args.model, config, batch))
+        rows.append(answer(args.model, batch, args.budget) if config == "autoplan" else row(args.model, config, batch))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             with open(args.json, "a") as f:
@@ -137,8 +168,9 @@ def main() -> int:
     print(f"\n| model | config | reading MiB | static MiB | fits in MiB (not under) | fit x reading | probes | s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['model']} | {r['config']} | {r['error']} |")
+        if "error" in r or r["config"] == "autoplan":
+            print(f"| {r['model']} | {r['config']} | {r.get('error') or r['plan']} | {r.get('reading_mib')} | "
+                  f"budget {r.get('budget_mib')} | trained under {r.get('trained_under_mib')} |")
             continue
         print(f"| {r['model']} | {r['config']} | {r['reading_mib']} | {r['static_mib']} | {r['fit_mib']} "
               f"({r['fit_below_mib']}) | {r['fit_x_reading']} | {r['probes']} | {r['fit_seconds']} |")

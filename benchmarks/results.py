@@ -69,7 +69,8 @@ def fits_section() -> list[str]:
     every = load("fits.json")
     # Estimates made apart from a fit run (fits.py --estimate-only, on a CPU) fill rows whose run made none.
     apart = {(r["model"], r["config"]): r for r in every if r.get("kind") == "estimate"}
-    rows = latest([r for r in every if r.get("kind") != "estimate"], lambda r: (r["model"], r["config"]))
+    answers = latest([r for r in every if r.get("kind") == "autoplan"], lambda r: (r["model"], r["budget"]))
+    rows = latest([r for r in every if r.get("kind") not in ("estimate", "autoplan")], lambda r: (r["model"], r["config"]))
     used = [apart[(r["model"], r["config"])] for r in rows if "estimate_mib" not in r and (r["model"], r["config"]) in apart]
     rows = [{**r, "estimate_mib": apart[(r["model"], r["config"])]["estimate_mib"]}
             if "estimate_mib" not in r and (r["model"], r["config"]) in apart else r for r in rows]
@@ -109,7 +110,23 @@ def fits_section() -> list[str]:
     out += ["Each model's best plan against compile + bf16, above static memory (activation), as its reading and as "
             "its fit:", ""]
     out += table(["model", "best plan", "x compile+bf16, reading", "x compile+bf16, fit"], claims)
-    return out
+    return out + _answers_under_cap(answers)
+
+
+def _answers_under_cap(rows: list[dict]) -> list[str]:
+    """autoplan's budgeted answers and the cap each trained under (``fits.py --configs autoplan``)."""
+    if not rows:
+        return []
+    body = []
+    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 99, r["budget"])):
+        under = (f"yes, {num(r['trained_under_mib'])} MiB" if r.get("trained_under_mib")
+                 else "; ".join(r.get("cap_notes") or []) or "no")
+        body.append([r["model"], f"{r['budget']} ({num(r['budget_mib'])} MiB)", code(r["plan"]),
+                     r.get("error") or num(r.get("reading_mib")), under, num(r["autoplan_s"])])
+    return ["autoplan's answer for a budget (a share of the model's reading as it is; bf16 allowed), trained under "
+            "the budget's cap in a fresh process before autoplan returns it (`fits.py --configs autoplan`):", "",
+            *table(["model", "budget", "answer", "reading MiB (steady step)", "trained under the cap", "autoplan s"], body),
+            f"Runs: {stamp(rows)}.", ""]
 
 
 # -- the whole memory bill ---------------------------------------------------------------------------
