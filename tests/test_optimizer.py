@@ -44,6 +44,20 @@ def _loop(model, opt, batch, steps, scheduler=True):
     return losses
 
 
+def _beside_plain(plan, steps):
+    """A float64 Net trained ``steps`` iterations with ``plan`` beside the plain loop, the losses
+    checked equal: (the plain loop's model, the plan's, the plan's handle)."""
+    torch.manual_seed(0)
+    ref = Net().double()
+    model = copy.deepcopy(ref)
+    batch = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    want = plain_loop(ref, batch, steps)
+    opt = in_backward(model, plan)
+    got = _loop(model, opt, batch, steps)
+    assert [a.item() for a in want] == [b.item() for b in got]
+    return ref, model, opt
+
+
 def in_backward(model, plan):
     sw.apply(model, plan)
     return sw.optimizer(model)
@@ -68,14 +82,7 @@ def test_weights_after_n_steps_are_the_plain_loop_s_bit_for_bit(dtype, plan, sta
 
 def test_a_compiled_model_steps_in_backward_as_the_plain_loop():
     # The compiled graph's backward accumulates each gradient in eager autograd, where the hook runs.
-    torch.manual_seed(0)
-    ref = Net().double()
-    model = copy.deepcopy(ref)
-    batch = torch.randn(4, 3, 8, 8, dtype=torch.float64)
-    want = plain_loop(ref, batch, 3)
-    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS}), compile(backend='aot_eager')")
-    got = _loop(model, opt, batch, 3)
-    assert [a.item() for a in want] == [b.item() for b in got]
+    ref, model, _ = _beside_plain(f"step_in_backward(torch.optim.AdamW, options={OPTIONS}), compile(backend='aot_eager')", 3)
     for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -116,6 +123,135 @@ def test_a_plain_optimizer_s_state_dict_loads_and_each_parameter_keeps_its_own_s
     _loop(ref, plain, batch, 2, scheduler=False)
     _loop(model, opt, batch, 2, scheduler=False)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def _buckets(monkeypatch, size):
+    """The optimizer module with buckets of ``size`` bytes, whatever share of the model that is."""
+    module = __import__("sys").modules["shrinkwrap.transforms.optimizer"]
+    monkeypatch.setattr(module, "_BUCKET", size)
+    monkeypatch.setattr(module, "_SHARE", 1)
+    return module
+
+
+class _Tied(nn.Module):
+    """``w`` inside a reentrant checkpoint and outside it: two gradients accumulate into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(t @ self.w), x, use_reentrant=True)
+        return (h @ self.v @ self.w).sum()
+
+
+def test_buckets_of_fused_optimizers_step_as_the_fused_loop_bit_for_bit(monkeypatch):
+    # What a GPU's parameters do (a fused optimizer each, a bucket stepped through one fused
+    # call), with torch's fused CPU kernel.
+    module = _buckets(monkeypatch, 4096)
+    one = module._one_optimizer
+    monkeypatch.setattr(module, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    batch = torch.randn(4, 3, 8, 8)
+    want = _loop(ref, torch.optim.AdamW(ref.parameters(), fused=True, **OPTIONS), batch, 4)
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS})")
+    got = _loop(model, opt, batch, 4)
+    assert opt.together and all(o.param_groups[0]["fused"] for o in opt.together.values())
+    assert [a.item() for a in want] == [b.item() for b in got]
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_a_second_gradient_into_a_parameter_in_one_backward_raises(monkeypatch):
+    _buckets(monkeypatch, 1 << 30)
+    torch.manual_seed(0)
+    model = _Tied()
+    in_backward(model, "step_in_backward(torch.optim.AdamW)")
+    opt = sw.optimizer(model)
+    with pytest.raises(RuntimeError, match=r"shrinkwrap: .*step_in_backward\(\)"):
+        model(torch.randn(2, 4, requires_grad=True)).backward()
+    assert float(opt.optimizers["w"].state[model.w].get("step", 0)) <= 1  # never stepped twice
+
+
+def test_gradients_a_backward_that_raised_left_waiting_are_not_stepped(monkeypatch):
+    _buckets(monkeypatch, 1 << 30)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, boom=False):
+            h = self.a(x)
+            return self.b(Boom.apply(h) if boom else h)
+
+    torch.manual_seed(0)
+    model = Two()
+    opt = in_backward(model, "step_in_backward(torch.optim.AdamW)")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 4), boom=True).sum().backward()
+    # b's gradients came before the error and wait, unstepped, in .grad as a plain optimizer's would.
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert type(model.b.weight.grad) is torch.Tensor and model.a.weight.grad is None
+    model.zero_grad()
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()  # trains on
+    assert all(getattr(type(p.grad), "_sw_consumed", False) for p in model.parameters())
+    assert not torch.equal(before["a.weight"], model.a.weight)
+
+
+def test_under_compiled_autograd_each_parameter_steps_in_its_hook(monkeypatch):
+    from torch._dynamo import compiled_autograd
+
+    _buckets(monkeypatch, 1 << 30)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    ref = copy.deepcopy(model)
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS})")
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        model(x).sum().backward()
+    plain = torch.optim.AdamW(ref.parameters(), foreach=False, **OPTIONS)
+    ref(x).sum().backward()
+    plain.step()
+    assert not opt.waiting and all(getattr(type(p.grad), "_sw_consumed", False) for p in model.parameters())
+    # Stepped once each (torch 2.13's compiled autograd runs the hooks' steps 7e-8 from eager's).
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bucket", [1, 4096, 1 << 30])
+def test_gradients_stepped_in_buckets_give_the_plain_loop_s_weights_bit_for_bit(bucket, monkeypatch):
+    # Each parameter alone (1 byte), buckets of a few parameters, all of them at the end of backward.
+    module = _buckets(monkeypatch, bucket)
+    sizes, real = [], module.InBackward._step_waiting
+
+    def spy(self):
+        sizes.append(len(self.waiting))
+        real(self)
+
+    monkeypatch.setattr(module.InBackward, "_step_waiting", spy)
+    ref, model, opt = _beside_plain(f"step_in_backward(torch.optim.AdamW, options={OPTIONS})", 4)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    n, stepped = sum(1 for _ in ref.parameters()), [k for k in sizes if k]
+    assert sum(stepped) == 4 * n  # every parameter once an iteration
+    if bucket == 1:
+        assert max(stepped) == 1 and not opt.together
+    elif bucket == 4096:
+        assert 1 < max(stepped) < n and opt.together  # several buckets, stepped a bucket at a time
+    else:
+        assert stepped == [n] * 4 and len(opt.together) == 1  # one bucket, at the end of each backward
 
 
 @pytest.mark.parametrize("state", ["device", "cpu"])
