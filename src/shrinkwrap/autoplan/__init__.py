@@ -287,6 +287,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
             final = least
         else:
             final = checked
+        chosen = search.sets.get(str(final.plan), chosen)  # what the answer is made of, for the notes
     if final is base:
         chosen = []  # no candidate is taken
 
