@@ -1,8 +1,8 @@
 """Reports: a plan's baseline and steps, as an aligned table, markdown, JSON and a PNG plot.
 
 Units are MiB (2**20 bytes); every report names its device and torch version. The headline
-number is ``metric``: on CUDA ``peak_allocated`` (``max_memory_allocated`` over one steady-state
-training iteration), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
+number is ``metric``: on CUDA ``peak_allocated`` (``max_memory_allocated`` over the first training
+iteration and a steady-state one, the larger), without CUDA ``saved_for_backward`` (bytes the forward saves for backward, unique storages),
 which is activation memory, not a GPU peak.
 
 Measured under a ``torch.distributed`` process group (``torchrun``, FSDP2 or DDP), each row holds
