@@ -335,8 +335,7 @@ class InBackward(torch.optim.Optimizer):
         self.model: Any = lambda: None  # a weak reference to the model, set by the step
         # Gradients waiting to be stepped together (see _later), and the optimizers that step a
         # bucket of parameters at once, by the bucket's names.
-        self.waiting: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self.waiting_names: set[str] = set()
+        self.waiting: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (parameter, its stand-in)
         self.waiting_bytes = 0
         self.grad_bytes = 0  # the gradients of every parameter bound
         self.flush_queued = False
@@ -435,6 +434,7 @@ class InBackward(torch.optim.Optimizer):
         # while a module runs: the step takes the sharded one, whose reduced gradient FSDP2 hands to
         # the hooks.
         sharded = bool(_rewrite.sharded(model))
+        changed = False
         for n in self.names:
             p = named.get(n)
             if p is None or self.params.get(n) is p or (sharded and getattr(p, "_local_tensor", None) is None):
@@ -457,10 +457,10 @@ class InBackward(torch.optim.Optimizer):
             if on is not None:
                 self.cpu[n] = on
             self.optimizers[n], self.params[n] = new, p
-            self.together.clear()
-            self.grad_bytes = 0
             self.hooks[n] = p.register_post_accumulate_grad_hook(self._hook(n))
-        if not self.grad_bytes:
+            changed = True
+        if changed:
+            self.together.clear()
             self.grad_bytes = sum(q.numel() * q.element_size() for q in self.params.values())
 
     def _hook(self, name: str) -> Any:
@@ -502,21 +502,19 @@ class InBackward(torch.optim.Optimizer):
     def _later(self, name: str, p: torch.Tensor, dropped: torch.Tensor) -> None:
         """Step ``p`` with the gradients that came before it, once they hold ``_BUCKET`` bytes (or a
         ``_SHARE``-th of the model's gradients, the less), and at the end of this backward at the
-        latest (a callback of the autograd engine). One
-        optimizer step a bucket, not a parameter: each step costs the CPU about 0.1 ms besides its
-        arithmetic (torch's Optimizer.step, its groups' bookkeeping), which a backward that keeps
-        the GPU waiting on the CPU pays in full. On an H100 (torch 2.11) qwen05b's 290 steps took
+        latest (a callback of the autograd engine). One optimizer step a bucket, not a parameter:
+        each step costs the CPU about 0.1 ms besides its arithmetic (torch's Optimizer.step, its
+        groups' bookkeeping), which a backward that keeps the GPU waiting on the CPU pays in full. On an H100 (torch 2.11) qwen05b's 290 steps took
         66 ms of CPU an iteration, and its step ran 1.19x the plain loop's."""
         with self.lock:  # hooks run on one autograd thread a device
-            if name in self.waiting_names:
+            if name in self.waiting:
                 # A second gradient into one still waiting (a reentrant checkpoint around a parameter
                 # used outside it too): stepped once, it would leave one of them unused.
                 raise RuntimeError(_message(f"a second gradient accumulated into {name!r} in one backward"))
             if not self.flush_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
                 self.flush_queued = True
-            self.waiting.append((name, p, dropped))
-            self.waiting_names.add(name)
+            self.waiting[name] = (p, dropped)
             self.waiting_bytes += p.grad.numel() * p.grad.element_size()
             full = self.waiting_bytes >= min(_BUCKET, self.grad_bytes // _SHARE)
         if full:
@@ -531,21 +529,21 @@ class InBackward(torch.optim.Optimizer):
         not run): they stay in ``.grad`` as a plain optimizer's would, for ``step()`` or
         ``zero_grad()``, not stepped behind the caller's back."""
         with self.lock:
-            self.waiting, self.waiting_names, self.waiting_bytes, self.flush_queued = [], set(), 0, False
+            self.waiting, self.waiting_bytes, self.flush_queued = {}, 0, False
 
     def _step_waiting(self) -> None:
         with self.lock:
-            waiting, self.waiting, self.waiting_names, self.waiting_bytes = self.waiting, [], set(), 0
+            waiting, self.waiting, self.waiting_bytes = self.waiting, {}, 0
         if not waiting:
             return
-        names = tuple(n for n, _, _ in waiting)
+        names = tuple(waiting)
         together = self._together(names)
         if together is not None:
             together.step()
         else:
             for n in names:
                 self.optimizers[n].step()
-        for _, p, dropped in waiting:
+        for p, dropped in waiting.values():
             p.grad = dropped
 
     def _together(self, names: tuple[str, ...]) -> torch.optim.Optimizer | None:
