@@ -145,6 +145,27 @@ class _Tied(nn.Module):
         return (h @ self.v @ self.w).sum()
 
 
+def test_buckets_on_a_hugging_face_gpt2_give_the_plain_loop_s_weights_bit_for_bit(monkeypatch):
+    # A third-party model with tied embeddings and dropout, in several buckets of 64 KiB.
+    transformers = pytest.importorskip("transformers")
+    _buckets(monkeypatch, 64 << 10)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    ref = transformers.GPT2LMHeadModel(config).double().train()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 100, (2, 16))
+    plain = torch.optim.AdamW(ref.parameters(), foreach=False, **OPTIONS)
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS})")
+    for _ in range(3):
+        for m, o in ((ref, plain), (model, opt)):
+            torch.manual_seed(1)  # dropout
+            o.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+    assert len(opt.together) > 1  # several buckets
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
 def test_buckets_of_fused_optimizers_step_as_the_fused_loop_bit_for_bit(monkeypatch):
     # What a GPU's parameters do (a fused optimizer each, a bucket stepped through one fused
     # call), with torch's fused CPU kernel.
