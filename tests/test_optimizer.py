@@ -478,6 +478,48 @@ def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     assert not torch.equal(sliced[0], weights[0])  # it trained
 
 
+def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_and_leaves_the_tail_to_the_eager_one(monkeypatch):
+    # On CUDA the slices' whole blocks go through the compiled update, shaped (blocks, 256), and a
+    # parameter's last < 256 values through the eager one. Traced here (aot_eager: the same graph,
+    # no code generated), the split gives the eager update's numbers bit for bit, in two graphs
+    # for every length and learning rate.
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]  # a count over the process
+    traced = torch.compile(opt_module._adamw_slice, dynamic=True, fullgraph=True, backend="aot_eager")
+    shapes = []
+
+    def spy(*args):
+        shapes.append(tuple(args[0].shape))
+        return traced(*args)
+
+    monkeypatch.setattr(opt_module, "_SLICE", 4 * 256)
+    torch.manual_seed(0)
+    weights = [torch.randn(9 * 256 + 17), torch.randn(3 * 256, 2), torch.randn(100)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    results = []
+    for compiled in (spy, None):
+        monkeypatch.setattr(opt_module, "_compiled_slice", lambda p, c=compiled: c)
+        params = [nn.Parameter(w.clone()) for w in weights]
+        opt = sw.LowBitAdamW(params, lr=0.1)
+        for i, step_grads in enumerate(grads):
+            opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append(([p.detach().clone() for p in params], opt.state_dict()["state"]))
+    (a, a_state), (b, b_state) = results
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a_state[i][k], b_state[i][k]) for i in range(3) for k in ("m", "v", "m_scale"))
+    # 2321 values in slices of 1024: 4 + 4 + 1 blocks compiled, 17 values eager; 1536: 4 + 2; 100: eager.
+    assert shapes[:5] == [(4, 256), (4, 256), (1, 256), (4, 256), (2, 256)] and len(shapes) == 15
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # a slice of one block is its own (a length of 1 is specialized)
+
+
 def test_low_bit_adamw_s_temporaries_are_one_slice_s_not_one_parameter_s(monkeypatch):
     # A 64 MiB parameter stepped in backward, estimated: beside the parameter, its gradient and the
     # 8-bit state, what the step allocates is a few 4 MiB slices' temporaries, where in one slice it

@@ -84,3 +84,37 @@ def test_a_gpu_parameter_steps_with_the_fused_kernel_and_matches_the_fused_loop_
     plain = torch.optim.AdamW([{"params": [p]} for p in mlp().cuda().parameters()], lr=0.01)
     opt.load_state_dict(plain.state_dict())
     assert all(o.param_groups[0]["fused"] for o in opt.optimizers.values())
+
+
+def test_low_bit_adamw_compiles_its_slice_update_on_cuda_to_the_eager_numbers_once_for_every_learning_rate():
+    # float32 weights (no stochastic rounding): the compiled update gives the eager one's weights to
+    # float32 rounding, but where a moment's rounding flips its 8-bit code (a step of the learning
+    # rate's order); a scheduler's new learning rate compiles nothing new.
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    torch.manual_seed(0)
+    weights = [torch.randn(3 * (1 << 20) + 1000, device="cuda"), torch.randn(300, 7, device="cuda")]
+    grads = [[torch.randn_like(w) * 1e-2 for w in weights] for _ in range(4)]
+    results = []
+    for compiled in (True, False):
+        params = [nn.Parameter(w.clone()) for w in weights]
+        opt = sw.LowBitAdamW(params, lr=0.1)
+        if not compiled:
+            opt_module._COMPILED[:] = [opt_module._adamw_slice]  # the same function, eager
+        for i, step_grads in enumerate(grads):
+            if i == 2:
+                graphs = counters["stats"]["unique_graphs"]
+                opt.param_groups[0]["lr"] = 0.05
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == graphs  # the new learning rate compiled nothing
+        opt_module._COMPILED.clear()
+        results.append([p.detach() for p in params])
+    for (a, b), w in zip(zip(*results), weights):
+        assert torch.isclose(a, b, rtol=1e-5, atol=1e-6).float().mean() > 0.999
+        assert (a - b).abs().max() < 0.05 and not torch.equal(a, w)  # it trained
