@@ -135,6 +135,13 @@ def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_blo
     finer = ap._finer(effects[:2], model)
     assert [e.candidate.covers for e in finer] == [c.covers for c in blocks]  # every block of each stage, each alone
     assert ap._finer(effects[2:4], model) is None  # nothing finer than a region a block
+    # A candidate over a stage and the module after it (a pair of features' children, as on
+    # ConvNeXt): the stage goes block by block, the module without a stack inside stays whole.
+    from shrinkwrap.step import Candidate
+    from shrinkwrap.transforms.checkpoint import Checkpoint
+
+    pair = Candidate((Checkpoint(("0.1", "0.2")),), ("0.1", "0.2"))
+    assert ap._finer([ap.Effect(pair, 100.0, 1.0)], model)[0].candidate.covers == (*blocks[0].covers, "0.2")
     # A region over a stage of stages gives the blocks inside them: features whole gives every
     # block of both stages, and the module between them that is a block of features itself.
     (outer,) = [c for c in candidates(model, device="cpu") if c.covers == ("0",)]

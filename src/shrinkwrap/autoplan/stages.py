@@ -173,8 +173,9 @@ class _Rows:
 
 
 def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
-    """``chosen`` with each region over one module that holds a stack of blocks (a stage, a
-    transformer's layers) replaced by a region per block inside it (the innermost blocks: a
+    """``chosen`` with each region over a module that holds a stack of blocks (a stage, a
+    transformer's layers; alone or among a candidate's other regions) replaced by a region per
+    block inside it (the innermost blocks: a
     stage of stages gives its stages' blocks); None where there is none. A stage's region
     recomputes the whole stage at once in backward and holds its activations then, a region per
     block one block's; alone, their rows can read alike, and summed savings cannot tell them
@@ -185,11 +186,13 @@ def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
     out, changed = [], False
     for e in chosen:
         covers, steps = e.candidate.covers, e.candidate.steps
-        region = len(covers) == 1 and all(isinstance(s, Checkpoint) and not s.chain for s in steps)
-        inner = innermost_blocks(model, covers[0]) if region else []
-        step = Checkpoint(tuple(inner)) if len(inner) > 1 else None
+        regions = bool(covers) and all(isinstance(s, Checkpoint) and not s.chain for s in steps)
+        # A candidate over several modules (ConvNeXt's stage and downsample, a pair of features'
+        # children) is refined module by module; a module without a stack inside stays whole.
+        names = [b for c in covers for b in (innermost_blocks(model, c) if regions else []) or [c]]
+        step = Checkpoint(tuple(names)) if regions and len(names) > len(covers) else None
         if step is not None and step.applies(model):
-            out.append(dataclasses.replace(e, candidate=Candidate((step,), tuple(inner))))
+            out.append(dataclasses.replace(e, candidate=Candidate((step,), tuple(names))))
             changed = True
         else:
             out.append(e)
