@@ -307,7 +307,7 @@ def zoo_lines(rows: list[dict]) -> list[str]:
     by_model: "OrderedDict[str, dict[str, dict]]" = OrderedDict()
     for r in rows:
         by_model.setdefault(r["model"], {})[r["config"]] = r
-    body, dominated, slow, answers = [], [], [], 0
+    body, dominated, by_compiled, slow, answers = [], [], [], [], 0
 
     def cell(r: dict | None, base: dict | None, ref: dict | None) -> str:
         if r is None:
@@ -319,7 +319,7 @@ def zoo_lines(rows: list[dict]) -> list[str]:
 
     for model, got in by_model.items():
         if "all" in got:
-            body.append([model, f"error: {got['all']['error']}", *[""] * (2 * len(ZOO_AUTO) + len(ZOO_ROWS))])
+            body.append([model, f"error: {got['all']['error']}", *[""] * (2 * len(ZOO_AUTO) + len(ZOO_ROWS) + 1)])
             continue
         base, ref = got.get("base_fp32"), got.get("compile+bf16")
         line = [model]
@@ -330,15 +330,22 @@ def zoo_lines(rows: list[dict]) -> list[str]:
             if r and "activation_mib" in r:
                 answers += 1
                 dominated += [f"{model} {a}"] if r.get("dominated_by") else []
+                if a != "auto_compile" and r.get("dominated_by") and all("compile" in d for d in r["dominated_by"]):
+                    by_compiled.append(f"{model} {a}")
             if r and r.get("autoplan_s") is not None and r["autoplan_s"] > ZOO_TARGETS[a]:
                 slow.append(f"{model} {a} {r['autoplan_s']:.0f} s")
         line += [cell(got.get(c), base, ref) for c in ZOO_ROWS]
         line.append(" / ".join(num(got.get(a, {}).get("autoplan_s")) for a in ZOO_AUTO))
+        gpus = {r.get("gpu") for r in got.values() if r.get("gpu")}
+        line.append(", ".join(sorted(g.replace("NVIDIA ", "").split()[0] for g in gpus)) or "-")
         body.append(line)
     heads = ["model"] + [h for a in ("1.0x", "1.5x", "compile=True") for h in (f"autoplan {a}", "dominated by")]
-    heads += ["every block + bf16", "the same compiled", "compile + bf16, budget 0.5", "autoplan s (1.0x / 1.5x / compile)"]
+    heads += ["every block + bf16", "the same compiled", "compile + bf16, budget 0.5", "autoplan s (1.0x / 1.5x / compile)",
+              "GPU"]
     out = table(heads, body)
     out += [f"Dominated: {len(dominated)} of {answers} answers" + (f" ({', '.join(dominated)})" if dominated else "")
+            + (f"; of the eager answers, {len(by_compiled)} only by a compiled row ({', '.join(by_compiled)})"
+               if by_compiled else "")
             + ". Over autoplan's time targets (60 s eager, 120 s compile=True): "
             + (", ".join(slow) if slow else "none") + ".", ""]
     return out

@@ -27,15 +27,18 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     rows = [row("base_fp32", 1000.0, 20.0), row("compile+bf16", 500.0, 10.0),
             row("ckpt_every_block+bf16", 200.0, 15.0),
             row("auto_fast", 300.0, 12.0, dominated_by=[], autoplan_s=40.0),
-            row("auto_small", 400.0, 18.0, dominated_by=["ckpt_every_block+bf16"], autoplan_s=75.0),
+            row("auto_small", 400.0, 18.0, dominated_by=["ckpt_every_block+bf16"], autoplan_s=75.0, gpu="NVIDIA H200"),
             {"model": "broken", "config": "all", "error": "timed out after 900 s"}]
     lines = zoo_lines(rows)
     m = next(line for line in lines if line.startswith("| m |"))
     cells = [c.strip() for c in m.strip("|").split("|")]
     assert cells[1:5] == ["0.30 @ 1.20", "none", "0.40 @ 1.80", "ckpt_every_block+bf16"]
-    assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-1] == "40.0 / 75.0 / -"
+    assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-2:] == ["40.0 / 75.0 / -", "H200"]
     assert any("| broken | error: timed out after 900 s" in line for line in lines)
-    assert "Dominated: 1 of 2 answers (m auto_small)" in lines[-2] and "m auto_small 75 s" in lines[-2]
+    assert "Dominated: 1 of 2 answers (m auto_small)." in lines[-2] and "m auto_small 75 s" in lines[-2]
+    # An eager answer that only a compiled row dominates is counted apart.
+    rows[3] = row("auto_fast", 300.0, 12.0, dominated_by=["compile+bf16"], autoplan_s=40.0)
+    assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-2]
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
     assert latest_runs(rows + again) == rows[:-1] + again
