@@ -520,6 +520,39 @@ def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_and_leaves_the_tail_
     assert counters["stats"]["unique_graphs"] - graphs == 2  # a slice of one block is its own (a length of 1 is specialized)
 
 
+def test_low_bit_adamw_keeps_float32_numbers_and_8_bit_state_whatever_the_default_dtype_and_through_a_reload():
+    # Under a bf16 default dtype (as some model-loading code sets) 0.999 would round to 1: the steps
+    # are the float32 default's bit for bit. A bf16 parameter's state, saved and loaded, stays 8-bit
+    # codes with float32 scales, and training goes on as it would have without the reload.
+    def run(default: torch.dtype, reload_at: int | None) -> tuple:
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(1000).to(torch.bfloat16))
+        grads = [torch.randn(1000).to(torch.bfloat16) for _ in range(4)]
+        opt = sw.LowBitAdamW([p], lr=0.01)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            for i, g in enumerate(grads):
+                if i == reload_at:
+                    saved = copy.deepcopy(opt.state_dict())
+                    opt = sw.LowBitAdamW([p], lr=0.01)
+                    opt.load_state_dict(saved)
+                torch.manual_seed(i)  # the stochastic rounding's bits
+                p.grad = g.clone()
+                opt.step()
+        finally:
+            torch.set_default_dtype(previous)
+        return p.detach().clone(), opt.state[p]
+
+    plain, state = run(torch.float32, None)
+    for default, reload_at in ((torch.bfloat16, None), (torch.float32, 2)):
+        weights, other = run(default, reload_at)
+        assert torch.equal(weights, plain), (default, reload_at)
+        assert [other[k].dtype for k in ("m", "v", "m_scale", "v_scale")] == [torch.int8, torch.uint8, torch.float32,
+                                                                              torch.float32]
+        assert all(torch.equal(other[k], state[k]) for k in ("m", "v", "m_scale", "v_scale"))
+
+
 def test_low_bit_adamw_s_temporaries_are_one_slice_s_not_one_parameter_s(monkeypatch):
     # A 64 MiB parameter stepped in backward, estimated: beside the parameter, its gradient and the
     # 8-bit state, what the step allocates is a few 4 MiB slices' temporaries, where in one slice it

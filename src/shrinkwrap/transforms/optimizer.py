@@ -242,10 +242,23 @@ class LowBitAdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     for key, dtype in (("m", torch.int8), ("v", torch.uint8)):
                         state[key] = torch.zeros((blocks, _BLOCK), dtype=dtype, device=p.device)
-                        state[key + "_scale"] = torch.full((blocks,), 1e-30, device=p.device)
+                        state[key + "_scale"] = torch.full((blocks,), 1e-30, dtype=torch.float32, device=p.device)
                 state["step"] += 1
                 self._step_slices(p, state, group)
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the moments stay 8-bit codes with float32 scales: ``Optimizer`` casts a
+        floating parameter's state to the parameter's dtype, which for a bf16 parameter doubles
+        the codes' bytes and rounds the scales."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        indices = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, indices):
+            saved = state_dict["state"].get(i, {})
+            for key in ("m", "v", "m_scale", "v_scale"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(p.device, copy=True)
 
     @staticmethod
     def _step_slices(p: torch.Tensor, state: dict, group: dict) -> None:
@@ -260,7 +273,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         # One tensor of the step's numbers (a compiled update would compile again for each new
         # float), sent from pinned memory: a plain copy to the GPU would wait for its queued work.
         hyper = torch.tensor([beta1, beta2, 1 - beta1 ** t, 1 - beta2 ** t, group["lr"], group["weight_decay"],
-                              group["eps"]])
+                              group["eps"]], dtype=torch.float32)  # not torch's default dtype, which may be bf16
         hyper = hyper.pin_memory().to(p.device, non_blocking=True) if p.is_cuda and compiled else hyper.to(p.device)
         whole = not p.is_contiguous()
         flat, grads = (p, p.grad) if whole else (p.view(-1), p.grad.reshape(-1))
