@@ -202,6 +202,12 @@ def bill_section() -> list[str]:
         gib = r["peak_mib"] / 1024
         checks.append(f"- llama3b {r['config']}: peak {gib:.1f} GiB (target within {limit} GiB): "
                       f"{'met' if gib <= limit else 'missed'}")
+    theirs = {r["config"]: r for r in times}
+    if "state_cpu" in theirs and "torchao_offload" in theirs:
+        ours, ao = theirs["state_cpu"], theirs["torchao_offload"]
+        checks.append(f"- state_cpu: {ours['tokens_per_s']} tokens/s against torchao's CPUOffloadOptimizer's "
+                      f"{ao['tokens_per_s']} in the same run (target: at least match it): "
+                      f"{'met' if ours['tokens_per_s'] >= ao['tokens_per_s'] else 'missed'}")
     for r in times:
         if r["config"] in ("in_backward", "lossy"):
             checks.append(f"- {r['config']}: {r['x_best']:.2f}x best's step time (target at most 1.05x): "
