@@ -360,13 +360,20 @@ def zoo_lines(rows: list[dict]) -> list[str]:
 def latest_runs(rows: list[dict]) -> list[dict]:
     """Each model's rows of its latest run, so that an error row of an earlier run cannot hide a
     later result: a run's rows lie together in the file (zoo.py appends a model's rows at once)
-    and name their run (``run``)."""
-    runs: "OrderedDict[str, list[dict]]" = OrderedDict()
+    and name their run (``run``). A run the deadline cut short (``cut``: not started, or stopped
+    by the run's deadline) does not replace an earlier run of the model."""
+    groups: list[list[dict]] = []
     for i, r in enumerate(rows):
         if i == 0 or (rows[i - 1]["model"], rows[i - 1].get("run")) != (r["model"], r.get("run")):
-            runs.pop(r["model"], None)
-            runs[r["model"]] = []
-        runs[r["model"]].append(r)
+            groups.append([])
+        groups[-1].append(r)
+    runs: "OrderedDict[str, list[dict]]" = OrderedDict()
+    for group in groups:
+        model = group[0]["model"]
+        if model in runs and all(r.get("cut") for r in group):
+            continue
+        runs.pop(model, None)
+        runs[model] = group
     return [r for group in runs.values() for r in group]
 
 

@@ -155,7 +155,8 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
                 running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log,
                                                   start_new_session=True), gpu, out, time.monotonic())
         if end is not None and time.monotonic() >= end:
-            rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed"} for n in waiting]
+            rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed", "cut": True}
+                     for n in waiting]
             waiting = []
         time.sleep(1)
         for name, (process, gpu, out, started) in list(running.items()):
@@ -175,7 +176,9 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
                 why = (f"timed out after {time.monotonic() - started:.0f} s" if over else
                        f"stopped at the run's deadline after {time.monotonic() - started:.0f} s") if late else \
                     f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
-                got = [{"model": name, "config": "all", "error": why}]
+                # cut: stopped by the run's deadline, not the model's own failure or timeout (results.py
+                # then keeps the model's earlier run).
+                got = [{"model": name, "config": "all", "error": why, **({"cut": True} if late and not over else {})}]
             rows += [{**r, "run": run} for r in got]
             print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,
                   flush=True)

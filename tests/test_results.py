@@ -42,3 +42,8 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
     assert latest_runs(rows + again) == rows[:-1] + again
+    # A run the deadline cut short does not: the model's earlier figures stand.
+    cut = [{"model": "broken", "config": "all", "error": "stopped at the run's deadline after 50 s", "run": "last",
+            "cut": True}]
+    assert latest_runs(rows + again + cut) == rows[:-1] + again
+    assert latest_runs(rows[-1:] + cut) == rows[-1:]
