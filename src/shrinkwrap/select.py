@@ -300,10 +300,12 @@ def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
 
         >>> innermost_blocks(convnext, "features.1")   # ['features.1.0', 'features.1.1', 'features.1.2']
     """
-    def inside(name: str, region: str) -> bool:
-        return not region or name == region or name.startswith(region + ".")
-
     groups = block_groups(model)
     stages = [container for container, _, _ in groups]
     return [b for _, names, _ in groups for b in names
-            if b != within and inside(b, within) and not any(inside(s, b) for s in stages)]
+            if b != within and _inside(b, within) and not any(_inside(s, b) for s in stages)]
+
+
+def _inside(name: str, region: str) -> bool:
+    """Whether the module ``name`` is ``region`` or lies inside it (``""``, the root, holds all)."""
+    return not region or name == region or name.startswith(region + ".")

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
-from .select import require_module, wrong
+from .select import _inside, require_module, wrong
 
 _STEPS: dict[str, type["Step"]] = {}
 
@@ -60,11 +60,6 @@ class Candidate:
         cannot share a plan (:meth:`Step.conflict`)."""
         return any(_inside(a, b) or _inside(b, a) for a in self.covers for b in other.covers) or any(
             a.conflict(b) or b.conflict(a) for a in self.steps for b in other.steps)
-
-
-def _inside(name: str, region: str) -> bool:
-    """Whether the module ``name`` is ``region`` or lies inside it (``""``, the root, holds all)."""
-    return not region or name == region or name.startswith(region + ".")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ import dataclasses
 import torch.nn as nn
 
 from ..plan import Plan
-from ..select import innermost_blocks, pattern_for
-from ..step import Step, _inside
+from ..select import _inside, innermost_blocks, pattern_for
+from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
 from ..transforms.layout import ChannelsLast, SpaceToDepth

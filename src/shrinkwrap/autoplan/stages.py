@@ -179,12 +179,11 @@ def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
     stage of stages gives its stages' blocks); None where there is none. A stage's region
     recomputes the whole stage at once in backward and holds its activations then, a region per
     block one block's; alone, their rows can read alike, and summed savings cannot tell them
-    apart where other regions move the peak. On an H100 (torch 2.11) autoplan's 1.0x answer for
-    ConvNeXt-T @64 checkpointed its stages features.1 and .3 whole and read 1909 MiB; torch's
-    ``checkpoint_wrapper`` on every block read 1089 MiB at a faster step. There the stages came
-    in candidates over two of features' children (a stage and its downsample), refined module
-    by module: on an H200 the answer then read 0.16x fp32's activation, as every block did,
-    from 0.29x. The replacement's figures stand in as the region's until its plan is measured."""
+    apart where other regions move the peak. On ConvNeXt-T @64 the search takes stages whole in
+    candidates over two of features' children (a stage and its downsample): unrefined, the 1.0x
+    answer keeps 0.29x fp32's activation where torch's ``checkpoint_wrapper`` on every block keeps
+    0.16x at a faster step; refined module by module, it keeps 0.16x too (H200, torch 2.11). The
+    replacement's figures stand in as the region's until its plan is measured."""
     out, changed = [], False
     for e in chosen:
         covers, steps = e.candidate.covers, e.candidate.steps

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..select import Pattern, SelectionError, compiled_how, select
-from ..step import Step, Targets, _inside, applied_steps
+from ..select import Pattern, SelectionError, _inside, compiled_how, select
+from ..step import Step, Targets, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
 _NO_BUDGET = ("eager", "aot_eager")

