@@ -140,8 +140,11 @@ def bill_section() -> list[str]:
     rows = [r for r in rows if r.get("kind") != "estimate"]
     mem = latest([r for r in rows if "peak_mib" in r or "error" in r and "losses" not in r], lambda r: (r["model"], r["config"]))
     timed = [r for r in rows if "tokens_per_s" in r]
-    # The latest run's rows only (a run starts with best): times compare within one run.
-    times = timed[max([i for i, r in enumerate(timed) if r["config"] == "best"], default=0):]
+    # The two latest runs (a run starts with best), apart: times compare within a run, and two runs
+    # show how far one run's ratio can be trusted.
+    starts = [i for i, r in enumerate(timed) if r["config"] == "best"] or [0]
+    runs = [timed[a:b] for a, b in zip(starts, starts[1:] + [len(timed)])][-2:]
+    times = [r for run in runs for r in run]
     curves = latest([r for r in rows if "losses" in r], lambda r: (r["model"], r["config"]))
     out = ["## The whole memory bill", "",
            "A Qwen2-0.5B-shaped model (`qwen05b`: 24 layers, hidden 896, 151,936 vocabulary, tied embeddings, 494M "
@@ -165,12 +168,12 @@ def bill_section() -> list[str]:
     out += [f"Runs: {stamp(mem)}. Plans: " + "; ".join(f"{r['config']}: {code(r['plan'])}" for r in mem
                                                       if r["model"] == "qwen05b") + ".", ""]
     if times:
-        out += ["Step times of the qwen05b rows in turns in one process (5 rounds of 2 iterations; tokens per "
-                "second from the median):", ""]
-        out += table(["config", "step ms (rounds low-high)", "x best", "tokens/s"],
-                     [[r["config"], spread(r, 1),
-                       f"{r['x_best']:.2f}", str(r["tokens_per_s"])] for r in times])
-        out += [f"Run: {stamp(times)}.", ""]
+        out += ["Step times of the qwen05b rows in turns in one process, the two latest runs (rounds of 2 "
+                "iterations; tokens per second from the median):", ""]
+        out += table(["run", "config", "step ms (rounds low-high)", "rounds", "x best", "tokens/s"],
+                     [[str(i + 1), r["config"], spread(r, 1), str(r.get("rounds", "-")), f"{r['x_best']:.3f}",
+                       str(r["tokens_per_s"])] for i, run in enumerate(runs) for r in run])
+        out += [f"Runs: {stamp(times)}.", ""]
     heads = [r for r in mem if r["model"] == "llama3b" and "peak_mib" in r]
     if heads:
         out += ["The 3B model's rows: " + "; ".join(
@@ -202,16 +205,17 @@ def bill_section() -> list[str]:
         gib = r["peak_mib"] / 1024
         checks.append(f"- llama3b {r['config']}: peak {gib:.1f} GiB (target within {limit} GiB): "
                       f"{'met' if gib <= limit else 'missed'}")
-    theirs = {r["config"]: r for r in times}
-    if "state_cpu" in theirs and "torchao_offload" in theirs:
-        ours, ao = theirs["state_cpu"], theirs["torchao_offload"]
-        checks.append(f"- state_cpu: {ours['tokens_per_s']} tokens/s against torchao's CPUOffloadOptimizer's "
-                      f"{ao['tokens_per_s']} in the same run (target: at least match it): "
-                      f"{'met' if ours['tokens_per_s'] >= ao['tokens_per_s'] else 'missed'}")
-    for r in times:
-        if r["config"] in ("in_backward", "lossy"):
-            checks.append(f"- {r['config']}: {r['x_best']:.2f}x best's step time (target at most 1.05x): "
-                          f"{'met' if r['x_best'] <= 1.05 else 'missed'}")
+    for i, run in enumerate(runs):
+        theirs = {r["config"]: r for r in run}
+        if "state_cpu" in theirs and "torchao_offload" in theirs:
+            ours, ao = theirs["state_cpu"], theirs["torchao_offload"]
+            checks.append(f"- state_cpu, run {i + 1}: {ours['tokens_per_s']} tokens/s against torchao's "
+                          f"CPUOffloadOptimizer's {ao['tokens_per_s']} in the same run (target: at least match it): "
+                          f"{'met' if ours['tokens_per_s'] >= ao['tokens_per_s'] else 'missed'}")
+        for r in run:
+            if r["config"] in ("in_backward", "lossy"):
+                checks.append(f"- {r['config']}, run {i + 1}: {r['x_best']:.3f}x best's step time (target at most "
+                              f"1.05x): {'met' if r['x_best'] <= 1.05 else 'missed'}")
     if checks:
         out += ["Against the targets:", "", *checks, ""]
     return out
@@ -230,9 +234,8 @@ def _bill_estimates(rows: list[dict]) -> list[str]:
             "tensors; it counts an optimizer step's temporaries as optimizer state; rows with `state='cpu'` cannot "
             "be estimated). For best and in_backward the estimate lies within 1% of the measured peak above, and "
             "peaks where it did: once the optimizer no longer holds the peak, the head's loss in the forward does, "
-            "and the chunk of rows x 151,936 vocabulary it takes at a time decides it. The measured lossy row "
-            "stepped each parameter whole with `LowBitAdamW` (float32 temporaries of the 519 MiB embedding); it "
-            "steps 4 MiB slices, which these estimates count:", "",
+            "and the chunk of rows x 151,936 vocabulary it takes at a time decides it. The estimate counts "
+            "`LowBitAdamW`'s eager update, 1M values a slice; the measured lossy row ran its compiled one, 8M:", "",
             *table(["config", "chunk_size", "peak MiB", "x best", "parameters", "gradients", "optimizer state",
                     "activations", "bytes/parameter"], body),
             f"Runs: {stamp(rows)}.", ""]

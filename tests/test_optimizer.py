@@ -478,11 +478,11 @@ def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     assert not torch.equal(sliced[0], weights[0])  # it trained
 
 
-def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_and_leaves_the_tail_to_the_eager_one(monkeypatch):
-    # On CUDA the slices' whole blocks go through the compiled update, shaped (blocks, 256), and a
-    # parameter's last < 256 values through the eager one. Traced here (aot_eager: the same graph,
-    # no code generated), the split gives the eager update's numbers bit for bit, in two graphs
-    # for every length and learning rate.
+def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_a_parameter_s_last_one_padded(monkeypatch):
+    # On CUDA the slices go through the compiled update shaped (blocks, 256), a parameter's last
+    # block padded with zeros. Traced here (aot_eager: the same graph, no code generated), the
+    # padded blocks give the eager update's numbers bit for bit, in two graphs for every length
+    # and learning rate.
     import importlib
 
     from torch._dynamo.utils import counters
@@ -497,7 +497,8 @@ def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_and_leaves_the_tail_
         shapes.append(tuple(args[0].shape))
         return traced(*args)
 
-    monkeypatch.setattr(opt_module, "_SLICE", 4 * 256)
+    monkeypatch.setattr(opt_module, "_SLICE", 3 * 256)
+    monkeypatch.setattr(opt_module, "_COMPILED_SLICE", 4 * 256)
     torch.manual_seed(0)
     weights = [torch.randn(9 * 256 + 17), torch.randn(3 * 256, 2), torch.randn(100)]
     grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
@@ -515,8 +516,8 @@ def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_and_leaves_the_tail_
     (a, a_state), (b, b_state) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(a_state[i][k], b_state[i][k]) for i in range(3) for k in ("m", "v", "m_scale"))
-    # 2321 values in slices of 1024: 4 + 4 + 1 blocks compiled, 17 values eager; 1536: 4 + 2; 100: eager.
-    assert shapes[:5] == [(4, 256), (4, 256), (1, 256), (4, 256), (2, 256)] and len(shapes) == 15
+    # 2321 values in slices of 1024: 4 + 4 blocks, then 273 values padded to 2; 1536: 4 + 2; 100: 1.
+    assert shapes[:6] == [(4, 256), (4, 256), (2, 256), (4, 256), (2, 256), (1, 256)] and len(shapes) == 18
     assert counters["stats"]["unique_graphs"] - graphs == 2  # a slice of one block is its own (a length of 1 is specialized)
 
 
