@@ -171,8 +171,9 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     for dtype, at in by_dtype.items():
-        norms = torch._foreach_norm([grads[i].detach() for i in at], 2,
-                                    dtype=torch.promote_types(dtype, torch.float32))
+        wide = torch.promote_types(dtype, torch.float32)
+        # dtype= only where it widens (an older torch's _foreach_norm takes none).
+        norms = torch._foreach_norm([grads[i].detach() for i in at], 2, **({"dtype": wide} if wide != dtype else {}))
         for i, norm in zip(at, norms):
             out[i] = norm
     return out
