@@ -112,6 +112,85 @@ def test_layers_of_a_module_dict_are_blocks_each_its_own_region():
         assert torch.equal(a.grad, b.grad), name
 
 
+class Inception(nn.Module):
+    """GoogLeNet's block: branches of conv-bn-like pairs, their outputs concatenated."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        pair = lambda: nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))  # noqa: E731
+        self.branch1 = pair()
+        self.branch2 = nn.Sequential(pair(), pair())
+
+    def forward(self, x):
+        return torch.cat([self.branch1(x), self.branch2(x)], dim=1)[:, : x.shape[1]]
+
+
+class Stem(nn.Module):
+    """A model whose own forward calls its blocks by name, as GoogLeNet's does, a pooling between."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)) for _ in range(2))
+        self.a, self.b, self.c = Inception(), Inception(), Inception()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = self.b(self.a(self.conv2(self.conv1(x)))).relu()
+        return self.head(self.c(x))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = Block(4), Block(4)
+
+    def forward(self, x):
+        return self.mlp(self.attn(x))
+
+
+class Stack(nn.Module):
+    """A T5 stack: a ModuleList of layers whose parts have parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x):
+        for layer in self.block:
+            x = layer(x)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = Stack(), Stack()
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x)).sum(1, keepdim=True)
+
+
+def test_blocks_a_model_s_own_forward_calls_by_name_are_a_stack_and_their_branches_are_left_out():
+    # GoogLeNet and Inception-v3 hold their Inception modules as attributes of the model, not in a
+    # Sequential: those are the blocks, each a region (not the pairs inside their branches, nor
+    # the stem's pairs, which hold nothing with parts of its own).
+    model = Stem()
+    assert block_groups(model) == [("", ["a", "b", "c"], False)]
+    covers = [c.covers for c in candidates(model, device="cpu")]
+    assert ("a",) in covers and ("c",) in covers and not any(n.startswith("a.") for c in covers for n in c)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    plain = model.double()
+    applied = sw.apply(copy.deepcopy(plain), sw.Plan(next(c for c in candidates(plain, device="cpu")
+                                                         if c.covers == ("b",)).steps))
+    plain(x).sum().backward()
+    applied(x).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), applied.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    # An encoder and a decoder of one type hold stacks of layers: the layers are the blocks.
+    assert block_groups(EncoderDecoder()) == [("encoder.block", ["encoder.block.0", "encoder.block.1"], False),
+                                              ("decoder.block", ["decoder.block.0", "decoder.block.1"], False)]
+
+
 def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_block():
     # ConvNeXt's shape: the search took the stages whole, whose rows alone read as their blocks'
     # did; measured together, a region a block keeps less (a stage's recompute holds the whole

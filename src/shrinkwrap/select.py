@@ -268,27 +268,50 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # what holds a stack
 
 def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     """``(container, [block names], nested)`` for every Sequential, ModuleList or ModuleDict (a
-    DenseNet's dense block) holding two or more blocks of one type (modules with children and parameters). Groups inside a block that is not
-    itself a plain container (inside a residual block or a transformer layer) are left out: their
-    parts are too small to be worth a measurement. ``nested``: the group lies inside another
-    group's block (an EfficientNet stage inside ``features``). Types are read through shrinkwrap's
-    wrappers: a stack with some blocks checkpointed is still one stack."""
+    DenseNet's dense block) holding two or more blocks (modules with children and parameters) of
+    one type, and for every other module holding two or more of one type that hold modules with
+    parts of their own, a group a type: its own forward calls them by name (GoogLeNet's Inception
+    modules, Inception-v3's; not their conv-bn pairs). Not where those blocks hold stacks of
+    layers (a T5 model's encoder and decoder): the layers are the blocks.
+    Groups inside a block that is not itself a plain container (inside a residual block or a
+    transformer layer) are left out: their parts are too small to be worth a measurement.
+    ``nested``: the group lies inside another group's block (an EfficientNet stage inside
+    ``features``). Types are read through shrinkwrap's wrappers: a stack with some blocks
+    checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
-        if not isinstance(unwrap(c), CONTAINERS):
-            continue
-        if any(name.startswith(b + ".") for b in real_blocks):
+        if any(name == b or name.startswith(b + ".") for b in real_blocks):
             continue
         kids = [(f"{name}.{k}" if name else k, unwrap(m)) for k, m in c.named_children()]
-        types = [type(m) for _, m in kids]
-        blocks = [(n, m) for n, m in kids if types.count(type(m)) >= 2 and has_params(m) and any(True for _ in m.children())]
-        if len(blocks) < 2:
-            continue
-        nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
-        out.append((name, [n for n, _ in blocks], nested))
-        real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
+        kids = [(n, m) for n, m in kids if has_params(m) and any(True for _ in m.children())]
+        if isinstance(unwrap(c), CONTAINERS):
+            types = [type(m) for _, m in kids]
+            found = [[(n, m) for n, m in kids if types.count(type(m)) >= 2]]
+        else:
+            by_type: dict[type, list] = {}
+            for n, m in kids:
+                if not isinstance(m, CONTAINERS) and _deep(m):  # a container child is a stack of its own
+                    by_type.setdefault(type(m), []).append((n, m))
+            found = [blocks for blocks in by_type.values() if not any(_holds_layers(m) for _, m in blocks)]
+        for blocks in found:
+            if len(blocks) < 2:
+                continue
+            nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
+            out.append((name, [n for n, _ in blocks], nested))
+            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
     return out
+
+
+def _deep(m: nn.Module) -> bool:
+    """Whether ``m`` holds a module with parts of its own (more than a conv-bn pair)."""
+    return any(any(True for _ in child.children()) for child in m.children())
+
+
+def _holds_layers(block: nn.Module) -> bool:
+    """Whether ``block`` holds a container of two or more :func:`_deep` modules (a stack of
+    transformer layers), not only of small parts (an Inception branch's conv-bn pairs)."""
+    return any(isinstance(c, CONTAINERS) and sum(_deep(k) for k in c.children()) >= 2 for c in block.modules())
 
 
 def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
