@@ -171,10 +171,16 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             free.append(gpu)
             got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
                 if os.path.exists(out) else []  # a line cut short by the kill is left out
+            said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
+            answered = [line for line in said if line.startswith(f"{name} auto")]  # "<model> <config>: <plan> (<s> s)"
+            for line in answered:
+                print(line, file=sys.stderr, flush=True)
             if not got:
-                said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
-                why = (f"timed out after {time.monotonic() - started:.0f} s" if over else
-                       f"stopped at the run's deadline after {time.monotonic() - started:.0f} s") if late else \
+                # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
+                gave = [f"{a.split(':')[0].split()[-1]} in {a.rsplit('(', 1)[-1].rstrip(')')}" for a in answered]
+                gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
+                why = (f"timed out after {time.monotonic() - started:.0f} s{gave}" if over else
+                       f"stopped at the run's deadline after {time.monotonic() - started:.0f} s{gave}") if late else \
                     f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
                 # cut: stopped by the run's deadline, not the model's own failure or timeout (results.py
                 # then keeps the model's earlier run).
