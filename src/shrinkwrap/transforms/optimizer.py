@@ -337,8 +337,8 @@ class LowBitAdamW(torch.optim.Optimizer):
 def _adamw_slice(grad: torch.Tensor, weight: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor,
                  v_codes: torch.Tensor, v_scale: torch.Tensor, hyper: torch.Tensor) -> None:
     """One slice of :class:`LowBitAdamW`'s update, in place: the moments' codes and scales, and the
-    weight (stochastically rounded where it is bf16). Compiled, the writes are the kernels' own
-    stores, not copies after them. ``hyper``: float32
+    weight (stochastically rounded where it is bf16). Compiled, the writes are the graph's own,
+    not copies launched after it. ``hyper``: float32
     ``[beta1, beta2, 1 - beta1 ** step, 1 - beta2 ** step, lr, weight_decay, eps]``."""
     beta1, beta2, bias1, bias2, lr, weight_decay, eps = hyper.unbind()
     grad = grad.float()
@@ -362,7 +362,7 @@ def _compiled_slice(p: torch.Tensor) -> Any:
     """For a CUDA parameter, :func:`_adamw_slice` compiled (once a process); else None. Eager, one
     slice is some 25 kernels, each a pass over 4 MiB: a 0.5B model's step in backward ran at 4.1x
     the plain loop's step time (H100, torch 2.11). Compiled, the pass over the moments and weight
-    is fused and the writes into them are its stores, a call a slice of 32 MiB: 1.25x (the CPU's
+    is fused and writes them in place, a call a slice of 8M values: 1.25x (the CPU's
     share of what is left not measured apart). Shapes are dynamic (slices differ in length)
     and the hyperparameters a tensor, so a scheduler's new learning rate and the next step's bias
     corrections do not compile again. Past dynamo's recompile limit (dtypes, layouts) a slice runs
