@@ -117,6 +117,8 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
                                        cache=cache, compile=comp)
         except Exception as exc:  # noqa: BLE001 - a model autoplan cannot handle is a row with its error
             auto[config] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+            print(f"{name} {config}: {type(exc).__name__} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+                  flush=True)
             continue
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
                         "frontier": [str(r.plan) for r in report.frontier()]}
@@ -171,7 +173,7 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             free.append(gpu)
             got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
                 if os.path.exists(out) else []  # a line cut short by the kill is left out
-            said = [line for line in Path(out + ".log").read_text().splitlines() if line.strip()]
+            said = [line for line in Path(out + ".log").read_text(errors="replace").splitlines() if line.strip()]
             answered = [line for line in said if line.startswith(f"{name} auto")]  # "<model> <config>: <plan> (<s> s)"
             for line in answered:
                 print(line, file=sys.stderr, flush=True)

@@ -139,6 +139,26 @@ class Stem(nn.Module):
         return self.head(self.c(x))
 
 
+class Residual(nn.Module):
+    """A residual block of leaf modules only (a ResNet's BasicBlock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.fc2(self.norm(self.fc1(x)).relu())
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.layers = nn.Linear(4, 4), nn.Sequential(Residual(), Residual())
+
+    def forward(self, x):
+        return self.layers(self.stem(x))
+
+
 class Layer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -186,9 +206,16 @@ def test_blocks_a_model_s_own_forward_calls_by_name_are_a_stack_and_their_branch
     applied(x).sum().backward()
     for (name, a), b in zip(plain.named_parameters(), applied.parameters()):
         assert torch.equal(a.grad, b.grad), name
-    # An encoder and a decoder of one type hold stacks of layers: the layers are the blocks.
+    # Modules of one type that hold stacks of layers (an encoder and a decoder; two towers of
+    # residual blocks or of Inception modules): the layers are the blocks.
     assert block_groups(EncoderDecoder()) == [("encoder.block", ["encoder.block.0", "encoder.block.1"], False),
                                               ("decoder.block", ["decoder.block.0", "decoder.block.1"], False)]
+    towers = nn.Module()
+    towers.a, towers.b = Tower(), Tower()
+    assert block_groups(towers) == [("a.layers", ["a.layers.0", "a.layers.1"], False),
+                                    ("b.layers", ["b.layers.0", "b.layers.1"], False)]
+    towers.a, towers.b = Stem(), Stem()
+    assert block_groups(towers) == [("a", ["a.a", "a.b", "a.c"], False), ("b", ["b.a", "b.b", "b.c"], False)]
 
 
 def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_block():

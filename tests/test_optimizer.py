@@ -125,6 +125,20 @@ def test_a_plain_optimizer_s_state_dict_loads_and_each_parameter_keeps_its_own_s
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
 
 
+def test_a_bucket_s_norms_are_each_gradient_s_own_whatever_their_dtypes():
+    # One launch a dtype; half gradients' norms widened to float32, as clip_grad_norm_ and the
+    # per-parameter stand-in take them, in the bucket's order.
+    import importlib
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    torch.manual_seed(0)
+    grads = [torch.randn(300).to(d) for d in (torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.bfloat16)]
+    norms = opt_module._norms(grads)
+    want = [torch.linalg.vector_norm(g, 2, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    assert [n.dtype for n in norms] == [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(norms, want))
+
+
 def _buckets(monkeypatch, size):
     """The optimizer module with buckets of ``size`` bytes, whatever share of the model that is."""
     module = __import__("sys").modules["shrinkwrap.transforms.optimizer"]

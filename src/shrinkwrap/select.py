@@ -269,14 +269,14 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # what holds a stack
 def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     """``(container, [block names], nested)`` for every Sequential, ModuleList or ModuleDict (a
     DenseNet's dense block) holding two or more blocks (modules with children and parameters) of
-    one type, and for every other module holding two or more of one type that hold modules with
-    parts of their own, a group a type: its own forward calls them by name (GoogLeNet's Inception
-    modules, Inception-v3's; not their conv-bn pairs). Not where those blocks hold stacks of
-    layers (a T5 model's encoder and decoder): the layers are the blocks.
-    Groups inside a block that is not itself a plain container (inside a residual block or a
-    transformer layer) are left out: their parts are too small to be worth a measurement.
-    ``nested``: the group lies inside another group's block (an EfficientNet stage inside
-    ``features``). Types are read through shrinkwrap's wrappers: a stack with some blocks
+    one type, and for every other module holding two or more layers (:func:`_layer`) of one type,
+    a group a type: its own forward calls them by name (GoogLeNet's Inception modules and aux
+    heads, Inception-v3's Inception modules; not their conv-bn pairs). Not where those hold
+    stacks of layers themselves (a T5 model's encoder and decoder, two ResNet towers): the layers
+    are the blocks. Groups inside a block that is not itself a plain container (inside a residual
+    block or a transformer layer) are left out: their parts are too small to be worth a
+    measurement. ``nested``: the group lies inside another group's block (an EfficientNet stage
+    inside ``features``). Types are read through shrinkwrap's wrappers: a stack with some blocks
     checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
@@ -291,7 +291,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
         else:
             by_type: dict[type, list] = {}
             for n, m in kids:
-                if not isinstance(m, CONTAINERS) and _deep(m):  # a container child is a stack of its own
+                if not isinstance(m, CONTAINERS) and _layer(m):  # a container child is a stack of its own
                     by_type.setdefault(type(m), []).append((n, m))
             found = [blocks for blocks in by_type.values() if not any(_holds_layers(m) for _, m in blocks)]
         for blocks in found:
@@ -303,15 +303,16 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     return out
 
 
-def _deep(m: nn.Module) -> bool:
-    """Whether ``m`` holds a module with parts of its own (more than a conv-bn pair)."""
-    return any(any(True for _ in child.children()) for child in m.children())
+def _layer(m: nn.Module) -> bool:
+    """Whether ``m`` is more than a conv-norm pair: three or more modules with parameters of their own."""
+    return sum(any(True for _ in x.parameters(recurse=False)) for x in m.modules()) >= 3
 
 
 def _holds_layers(block: nn.Module) -> bool:
-    """Whether ``block`` holds a container of two or more :func:`_deep` modules (a stack of
-    transformer layers), not only of small parts (an Inception branch's conv-bn pairs)."""
-    return any(isinstance(c, CONTAINERS) and sum(_deep(k) for k in c.children()) >= 2 for c in block.modules())
+    """Whether ``block`` holds a stack of layers of its own (a ResNet's stage, a transformer's
+    layers, a GoogLeNet's Inception modules), not only of small parts (an Inception branch's
+    conv-bn pairs)."""
+    return any(any(_layer(block.get_submodule(n)) for n in names) for _, names, _ in block_groups(block))
 
 
 def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:

@@ -10,8 +10,8 @@ term away, and with ``state="cpu"`` the state too:
   soon as it is accumulated (``Tensor.register_post_accumulate_grad_hook``; FSDP2 runs these hooks
   on the sharded gradient it reduced). Gradients wait in buckets of at most 128 MiB (``_BUCKET``)
   and a bucket steps at once, or at the end of the backward, through one optimizer over its
-  parameters that shares their state and options, their norms taken in one launch: a step
-  costs the CPU half a millisecond besides its arithmetic, and a backward that keeps the GPU
+  parameters that shares their state and options, their norms taken in one launch a dtype: a
+  step costs the CPU some 0.2 ms besides its arithmetic, and a backward that keeps the GPU
   waiting on the CPU (a checkpointed 0.5B model's does) pays it for every step. A
   class other than torch's (and LBFGS) and :class:`LowBitAdamW` steps each parameter on its own.
   No more than a bucket of gradients (and one parameter's) waits, at most a sixteenth of the
@@ -171,9 +171,7 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     for dtype, at in by_dtype.items():
-        wide = torch.promote_types(dtype, torch.float32)
-        # dtype= only where it widens (an older torch's _foreach_norm takes none).
-        norms = torch._foreach_norm([grads[i].detach() for i in at], 2, **({"dtype": wide} if wide != dtype else {}))
+        norms = torch._foreach_norm([grads[i].detach() for i in at], 2, dtype=torch.promote_types(dtype, torch.float32))
         for i, norm in zip(at, norms):
             out[i] = norm
     return out
@@ -242,8 +240,8 @@ def _stochastic_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class LowBitAdamW(torch.optim.Optimizer):
     """AdamW with its two moments in 8 bits a value and, for bf16 parameters, stochastic rounding
     in place of a float32 master copy. Lossy: the moments carry about two significant digits, and
-    a weight's updates are unbiased but noisy. Meant for ``step_in_backward()`` (one parameter a
-    step: its float32 temporaries are one parameter's), usable alone.
+    a weight's updates are unbiased but noisy. Meant for ``step_in_backward()``, usable alone; it
+    updates a parameter a slice at a time, so its float32 temporaries are a slice's.
 
     Example::
 
