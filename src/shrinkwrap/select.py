@@ -281,7 +281,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
-        if any(name == b or name.startswith(b + ".") for b in real_blocks):
+        if any(_inside(name, b) for b in real_blocks):
             continue
         kids = [(f"{name}.{k}" if name else k, unwrap(m)) for k, m in c.named_children()]
         kids = [(n, m) for n, m in kids if has_params(m) and any(True for _ in m.children())]
@@ -297,7 +297,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
         for blocks in found:
             if len(blocks) < 2:
                 continue
-            nested = any(name == b or name.startswith(b + ".") for _, bs, _ in out for b in bs)
+            nested = any(_inside(name, b) for _, bs, _ in out for b in bs)
             out.append((name, [n for n, _ in blocks], nested))
             real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
     return out

@@ -297,7 +297,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         the CPU more than a GPU's pass over a small slice takes."""
         beta1, beta2 = group["betas"]
         t = state["step"]
-        compiled = _compiled_slice(p) if p.is_contiguous() else None
+        whole = not p.is_contiguous()
+        compiled = None if whole else _compiled_slice(p)
         hyper = hypers.get((t, p.device))
         if hyper is None:
             # One tensor of the step's numbers (a compiled update would compile again for each new
@@ -307,7 +308,6 @@ class LowBitAdamW(torch.optim.Optimizer):
                                   group["eps"]], dtype=torch.float32)  # not torch's default dtype, which may be bf16
             hyper = hyper.pin_memory().to(p.device, non_blocking=True) if p.is_cuda else hyper.to(p.device)
             hypers[(t, p.device)] = hyper
-        whole = not p.is_contiguous()
         weights = p.detach()  # a parameter's view asks for grad, a padded copy not: the same compiled graph
         flat, grads = (weights, p.grad) if whole else (weights.view(-1), p.grad.reshape(-1))
         n = flat.numel()
@@ -612,9 +612,9 @@ class InBackward(torch.optim.Optimizer):
         each step costs the CPU time besides its arithmetic (torch's Optimizer.step, its groups'
         bookkeeping), which a backward that keeps the GPU waiting on the CPU pays in full. On an
         H100 (torch 2.11) qwen05b's plain iteration leaves its GPU idle a fifth of the time (170
-        ms of kernels in 214), and its 290 parameters' hooks cost the CPU 66 ms an iteration stepped one at a
-        time, 21.7 ms in buckets of 32 MiB (61 steps), 13.6 ms in buckets of 123 MiB (its
-        sixteenth: 16 steps) and 3.6 ms in one bucket at the end."""
+        ms of kernels in 214), and its 290 parameters' hooks cost the CPU 66 ms an iteration
+        stepped one at a time, 21.7 ms in buckets of 32 MiB (61 steps), 13.6 ms in buckets of 123
+        MiB (its sixteenth: 16 steps) and 3.6 ms in one bucket at the end."""
         with self.lock:  # hooks run on one autograd thread a device
             if name in self.waiting:
                 # A second gradient into one still waiting (a reentrant checkpoint around a parameter
