@@ -492,11 +492,11 @@ def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     assert not torch.equal(sliced[0], weights[0])  # it trained
 
 
-def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_a_parameter_s_last_one_padded(monkeypatch):
-    # On CUDA the slices go through the compiled update shaped (blocks, 256), a parameter's last
-    # block padded with zeros. Traced here (aot_eager: the same graph, no code generated), the
-    # padded blocks give the eager update's numbers bit for bit, in two graphs for every length
-    # and learning rate.
+def test_low_bit_adamw_s_compiled_update_packs_small_parameters_and_pads_last_blocks(monkeypatch):
+    # On CUDA the slices go through the compiled update shaped (blocks, 256): a slice of whole
+    # blocks as it lies, small pieces packed into one call, each from a block's start with its last
+    # block padded with zeros. Traced here (aot_eager: the same graph, no code generated), that
+    # gives the eager update's numbers bit for bit, in two graphs for every length and learning rate.
     import importlib
 
     from torch._dynamo.utils import counters
@@ -530,9 +530,10 @@ def test_low_bit_adamw_s_compiled_update_takes_whole_blocks_a_parameter_s_last_o
     (a, a_state), (b, b_state) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(a_state[i][k], b_state[i][k]) for i in range(3) for k in ("m", "v", "m_scale"))
-    # 2321 values in slices of 1024: 4 + 4 blocks, then 273 values padded to 2; 1536: 4 + 2; 100: 1.
-    assert shapes[:6] == [(4, 256), (4, 256), (2, 256), (4, 256), (2, 256), (1, 256)] and len(shapes) == 18
-    assert counters["stats"]["unique_graphs"] - graphs == 2  # a slice of one block is its own (a length of 1 is specialized)
+    # 2321 values in slices of 1024: 4 + 4 blocks, then 273 values padded to 2 (the next slice, 4
+    # blocks, would overflow the call); 1536: 4, then 2 blocks packed with the 100 values' 1.
+    assert shapes[:5] == [(4, 256), (4, 256), (2, 256), (4, 256), (3, 256)] and len(shapes) == 15
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # views of a parameter, and a packed buffer
 
 
 def test_low_bit_adamw_keeps_float32_numbers_and_8_bit_state_whatever_the_default_dtype_and_through_a_reload():
