@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,7 @@ ZOO: dict[str, tuple[str, ...]] = {
 }
 SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
+ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
 
 
 def build_zoo(name: str) -> nn.Module:
@@ -120,9 +122,12 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
             print(f"{name} {config}: {type(exc).__name__} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
                   flush=True)
             continue
+        spent = [n for n in report.notes if n.startswith(("autoplan's own time", "of which"))]
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
-                        "frontier": [str(r.plan) for r in report.frontier()]}
+                        "frontier": [str(r.plan) for r in report.frontier()], "autoplan_time": spent}
         print(f"{name} {config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
+        for note in spent:
+            print(f"  {note}", file=sys.stderr, flush=True)
     makers = recipes(make, blocks)
     last = makers.pop("compile_budget0.5+bf16")
     plans = {k: v["plan"] for k, v in auto.items() if "plan" in v}
@@ -174,12 +179,13 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
                 if os.path.exists(out) else []  # a line cut short by the kill is left out
             said = [line for line in Path(out + ".log").read_text(errors="replace").splitlines() if line.strip()]
-            answered = [line for line in said if line.startswith(f"{name} auto")]  # "<model> <config>: <plan> (<s> s)"
-            for line in answered:
-                print(line, file=sys.stderr, flush=True)
+            # "<model> <config>: <plan> (<s> s)", whole: a line cut short by the kill is left out
+            answered = [m for m in map(ANSWER.fullmatch, said) if m and m["model"] == name]
+            for m in answered:
+                print(m.string, file=sys.stderr, flush=True)
             if not got:
                 # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
-                gave = [f"{a.split(':')[0].split()[-1]} in {a.rsplit('(', 1)[-1].rstrip(')')}" for a in answered]
+                gave = [f"{m['config']} in {m['seconds']} s" for m in answered]
                 gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
                 why = (f"timed out after {time.monotonic() - started:.0f} s{gave}" if over else
                        f"stopped at the run's deadline after {time.monotonic() - started:.0f} s{gave}") if late else \
