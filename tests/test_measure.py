@@ -470,6 +470,43 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["tf32"]
 
 
+@pytest.mark.parametrize("first", ["torch", "multiprocessing"])
+def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compiled_ahead(tmp_path, first):
+    # The caches key on tensors' metadata pickled, which names torch's memory formats after a
+    # module found in sys.modules, where the main script sits (as __mp_main__) at another place in
+    # a spawned process than in its parent: without the fix the parent found none of its keys.
+    # A script of its own, whose main module has torch (pytest's has not), in either import order.
+    script = tmp_path / "main.py"
+    script.write_text(f"""if True:
+        import {first}
+        import torch, torch.nn as nn
+        import shrinkwrap as sw
+        from shrinkwrap.processes import compile_ahead
+        from shrinkwrap.measure.step import Options, _setup
+
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        if __name__ == "__main__":
+            from torch._dynamo.utils import counters
+            plans = [sw.Plan.parse("checkpoint('0'), compile()"), sw.Plan.parse("checkpoint('2'), compile()")]
+            x = torch.randn(4, 8)
+            assert compile_ahead(make, plans, x, Options(device="cpu", warmup=1, iterations=1)) == (2, [None, None])
+            for plan in plans:  # the training step the measuring harness runs (on a CPU measure()'s
+                # reading of saved bytes compiles other graphs)
+                torch._dynamo.reset()  # each plan compiled as a fresh process would
+                step, _ = _setup(sw.apply(make(), plan), x, Options(device="cpu"), torch.device("cpu"))
+                step()
+            print(dict(counters["aot_autograd"]))
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = eval(out.stdout.strip().splitlines()[-1])
+    assert counts.get("autograd_cache_hit") == 2 and not counts.get("autograd_cache_miss"), counts
+
+
 @pytest.mark.cuda
 def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters

@@ -19,6 +19,7 @@ import io
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -168,6 +169,21 @@ def take_settings(settings: dict) -> None:
     inductor_config.load_config(settings["inductor"])
     functorch_config.load_config(settings["functorch"])
     inductor_config.autotune_local_cache = False
+    _main_last()
+
+
+def _main_last() -> None:
+    """Move ``__mp_main__`` (the main script under a second name) to the end of ``sys.modules``,
+    in the parent and in each spawned process, before anything is compiled. The caches key on
+    tensors' metadata pickled; C pickle names an object without a module of its own
+    (``torch.contiguous_format``) after the first module in ``sys.modules`` that reaches it,
+    skipping ``__main__`` but not ``__mp_main__``, which a spawned process puts before torch's own
+    modules and the parent where ``multiprocessing`` was first imported. A main script that
+    imports torch then made every key of one process differ from the other's: the parent found
+    none of the graphs compiled ahead (resnet18 @64 on an H100: 0 of 5 plans)."""
+    main = sys.modules.pop("__mp_main__", None)
+    if main is not None:
+        sys.modules["__mp_main__"] = main
 
 
 def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
@@ -226,6 +242,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         (2, [None, None])
     """
     device = resolve_device(options.device)
+    _main_last()
     at_once = len(plans)
     if device.type == "cuda" and room is not None:
         at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
