@@ -62,6 +62,29 @@ def test_compiles_in_place_keeping_the_object_and_its_names():
     assert sw.records(model)[0].matched == ("",) and sw.records(model)[0].step == sw.compile(backend=EAGER)
 
 
+@pytest.mark.parametrize("pattern", [None, "1"])
+def test_a_sequential_root_or_region_is_compiled_and_trains_as_eager(pattern):
+    # nn.Module.compile on an nn.Sequential traces nothing (dynamo runs torch's own forward
+    # eagerly): the step compiles it all the same, to eager's numbers in float64.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2)).double()
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    ref, compiled = model(), model()
+    sw.apply(compiled, [sw.compile(backend="aot_eager", pattern=pattern)])
+    counters.clear()
+    out, expected = compiled(x), ref(x)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert counters["aot_autograd"]["ok"] >= 1
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for p, q in zip(compiled.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    sw.revert(compiled)
+    assert all("_compiled_call_impl" not in m.__dict__ for m in compiled.modules())
+
+
 def _train(plan):
     model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
     if plan:

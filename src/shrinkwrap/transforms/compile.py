@@ -73,6 +73,21 @@ class _Budgeted:
             self.inner.reset()
 
 
+def _torchs_own(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is torch's own code (``nn.Sequential``'s, and a subclass's
+    that keeps it, as torchvision's ``Conv2dNormActivation``): dynamo runs such a module's
+    ``_call_impl`` eagerly, tracing nothing (torch 2.13: ``nn.Module.compile`` on an
+    ``nn.Sequential`` compiles nothing either)."""
+    return (getattr(type(module).forward, "__module__", None) or "").startswith("torch.")
+
+
+def _entered(call: Any) -> Any:
+    """``call`` behind a frame of this package's own, which dynamo traces, inlining torch's."""
+    def entered(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+    return entered
+
+
 class CompiledCall:
     """Undo entry: the compiled call :class:`Compile` set on a module (the root, or each region).
 
@@ -89,7 +104,10 @@ class CompiledCall:
 
     def install(self) -> None:
         # What nn.Module.compile does; through __dict__, since a copy being rebuilt has no state yet.
-        self.call = torch.compile(self.model._call_impl, **self.step.compile_kwargs())
+        call = self.model._call_impl
+        if _torchs_own(self.model):
+            call = _entered(call)
+        self.call = torch.compile(call, **self.step.compile_kwargs())
         self.model.__dict__["_compiled_call_impl"] = self.call
 
     def undo(self, model: nn.Module) -> str | None:
