@@ -85,6 +85,16 @@ def test_a_sequential_root_or_region_is_compiled_and_trains_as_eager(pattern):
     assert all("_compiled_call_impl" not in m.__dict__ for m in compiled.modules())
 
 
+def test_twelve_sequential_regions_of_different_contents_are_each_compiled():
+    # Dynamo's limit of recompiles is per code object: one shared by every Sequential would leave
+    # all but eight eager.
+    model = nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(i + 1)]) for i in range(12)])
+    sw.apply(model, [sw.compile(backend="aot_eager", pattern=r"\d+")])
+    counters.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    assert counters["aot_autograd"]["ok"] == 12 and not counters["stats"].get("unique_graphs", 0) < 12
+
+
 def _train(plan):
     model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
     if plan:

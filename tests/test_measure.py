@@ -475,7 +475,10 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
     # The caches key on tensors' metadata pickled, which names torch's memory formats after a
     # module found in sys.modules, where the main script sits (as __mp_main__) at another place in
     # a spawned process than in its parent: without the fix the parent found none of its keys.
-    # A script of its own, whose main module has torch (pytest's has not), in either import order.
+    # A script of its own, whose main module has torch (pytest's has not). Imported after torch,
+    # multiprocessing puts __mp_main__ after torch's modules in the parent only: the keys differed
+    # (0 of 2 hits without the fix). Imported first, it puts it first in both, and the fix must keep
+    # the keys alike.
     script = tmp_path / "main.py"
     script.write_text(f"""if True:
         import {first}

@@ -496,7 +496,8 @@ def test_low_bit_adamw_s_compiled_update_packs_small_parameters_and_pads_last_bl
     # On CUDA the slices go through the compiled update shaped (blocks, 256): a slice of whole
     # blocks as it lies, small pieces packed into one call, each from a block's start with its last
     # block padded with zeros. Traced here (aot_eager: the same graph, no code generated), that
-    # gives the eager update's numbers bit for bit, in two graphs for every length and learning rate.
+    # gives the eager update's numbers bit for bit, in two graphs for every length and learning rate
+    # (one dtype, no call of one block: each of those is a graph of its own).
     import importlib
 
     from torch._dynamo.utils import counters

@@ -174,7 +174,7 @@ def take_settings(settings: dict) -> None:
 
 def _main_last() -> None:
     """Move ``__mp_main__`` (the main script under a second name) to the end of ``sys.modules``,
-    in the parent and in each spawned process, before anything is compiled. The caches key on
+    in the parent and in each spawned process (ahead, and a row's), before anything is compiled. The caches key on
     tensors' metadata pickled; C pickle names an object without a module of its own
     (``torch.contiguous_format``) after the first module in ``sys.modules`` that reaches it,
     skipping ``__main__`` but not ``__mp_main__``, which a spawned process puts before torch's own
@@ -288,6 +288,7 @@ def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = ()) ->
     model's classes are imported now, which the factory itself may import only when called
     (transformers: 7.8 of the 16.8 s an isolated bert row took on an H100, with the process started
     ahead); and CUDA starts. The factory is not called: it may cache what it builds, or act."""
+    _main_last()
     for name in modules:
         try:
             importlib.import_module(name)
@@ -343,6 +344,7 @@ class FreshProcesses:
 
     def start_next(self) -> None:
         if self._next is None:
+            _main_last()  # a row's process keys its compiled graphs as this one does
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._next.submit(_ready, self.make, self.modules)
 

@@ -4,7 +4,8 @@
 backend='inductor', pattern=None)``) compiles the root module's call the way
 ``nn.Module.compile`` does: the module object, its names and its ``state_dict`` keys stay as
 they were (no ``_orig_mod.`` prefix), and whatever the earlier steps of the plan did is compiled
-with it. With ``pattern`` it compiles the selected modules instead, each in place (regional
+with it; a module whose forward is torch's own (an ``nn.Sequential``), where that way traces
+nothing, is compiled through a call of this package's own. With ``pattern`` it compiles the selected modules instead, each in place (regional
 compilation), and the rest of the model runs eagerly: for a part the compiler makes worse than
 eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask and attention
 dropout) into unfused math that keeps the probabilities and the dropout mask, 10.5 GB more
@@ -27,6 +28,7 @@ from __future__ import annotations
 __all__ = ['Compile']
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -82,10 +84,17 @@ def _torchs_own(module: nn.Module) -> bool:
 
 
 def _entered(call: Any) -> Any:
-    """``call`` behind a frame of this package's own, which dynamo traces, inlining torch's."""
+    """``call`` behind a frame of this package's own, which dynamo traces, inlining torch's; a
+    code object of its own for each module, since dynamo keeps compiled code and its limit of
+    recompiles (8) per code object: Sequentials of different contents sharing one would leave
+    all but eight of them eager, silently."""
     def entered(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
+    entered.__code__ = entered.__code__.replace(co_name=f"entered_{next(_ENTERED)}")
     return entered
+
+
+_ENTERED = itertools.count()
 
 
 class CompiledCall:

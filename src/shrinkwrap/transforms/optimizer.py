@@ -412,11 +412,14 @@ def _compiled_slice(p: torch.Tensor) -> Any:
     """For a CUDA parameter, :func:`_adamw_slice` compiled (once a process); else None. Eager, one
     slice is some 25 kernels, each a pass over 4 MiB: a 0.5B model's step in backward ran at 4.1x
     the plain loop's step time (H100, torch 2.11). Compiled, the pass over the moments and weight
-    is fused and writes them in place (:func:`_step_packed`). Shapes are dynamic (slices differ in length)
-    and the hyperparameters a tensor, so a scheduler's new learning rate and the next step's bias
-    corrections do not compile again. Past dynamo's recompile limit (dtypes, layouts) a slice runs
-    eagerly: the same update. The random bits of the stochastic rounding are the compiler's own,
-    so the compiled update does not match the eager one bit for bit where parameters are bf16."""
+    is fused and writes them in place (:func:`_step_packed`). Shapes are dynamic (slices differ
+    in length) and the hyperparameters a tensor, so a scheduler's new learning rate and the next
+    step's bias corrections do not compile again; a graph is compiled for each pair of parameter
+    and gradient dtypes, for views of a parameter and for packed buffers, and for a call of one
+    block (a length of one is specialized): bf16 weights with float32 norms take up to six. Past
+    dynamo's recompile limit (8 a function) a call runs eagerly: the same update, some 4x slower.
+    The random bits of the stochastic rounding are the compiler's own, so the compiled update
+    does not match the eager one bit for bit where parameters are bf16."""
     if not p.is_cuda or _is_fake(p):
         return None
     if not _COMPILED:
