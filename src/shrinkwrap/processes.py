@@ -174,8 +174,8 @@ def take_settings(settings: dict) -> None:
 
 def _main_last() -> None:
     """Move ``__mp_main__`` (the main script under a second name) to the end of ``sys.modules``,
-    in the parent and in each spawned process (ahead, and a row's), before anything is compiled. The caches key on
-    tensors' metadata pickled; C pickle names an object without a module of its own
+    in the parent and in each spawned process (ahead, and a row's), before anything is compiled.
+    The caches key on tensors' metadata pickled; C pickle names an object without a module of its own
     (``torch.contiguous_format``) after the first module in ``sys.modules`` that reaches it,
     skipping ``__main__`` but not ``__mp_main__``, which a spawned process puts before torch's own
     modules and the parent where ``multiprocessing`` was first imported. A main script that

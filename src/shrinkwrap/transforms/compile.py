@@ -5,9 +5,9 @@ backend='inductor', pattern=None)``) compiles the root module's call the way
 ``nn.Module.compile`` does: the module object, its names and its ``state_dict`` keys stay as
 they were (no ``_orig_mod.`` prefix), and whatever the earlier steps of the plan did is compiled
 with it; a module whose forward is torch's own (an ``nn.Sequential``), where that way traces
-nothing, is compiled through a call of this package's own. With ``pattern`` it compiles the selected modules instead, each in place (regional
-compilation), and the rest of the model runs eagerly: for a part the compiler makes worse than
-eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask and attention
+nothing, is compiled through a call of this package's own. With ``pattern`` it compiles the
+selected modules instead, each in place (regional compilation), and the rest of the model runs
+eagerly: for a part the compiler makes worse than eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask and attention
 dropout) into unfused math that keeps the probabilities and the dropout mask, 10.5 GB more
 activation at 32 x 512 tokens than eager's fused kernel; compiling every part of the layer but
 ``attention.self`` keeps the fused kernel.
