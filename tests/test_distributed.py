@@ -347,6 +347,24 @@ def test_the_step_in_backward_under_fsdp2_trains_as_the_plain_sharded_model(rank
         assert len(plain) == len(stepped) and all(torch.equal(a, b) for a, b in zip(plain, stepped))
 
 
+def _low_bit_sharded() -> str | None:
+    """What LowBitAdamW in backward says under FSDP2 at the first backward, or None."""
+    model = net(F64)
+    sw.apply(model, "step_in_backward(shrinkwrap.LowBitAdamW, options={'lr': 0.01})")
+    handle, model = sw.optimizer(model), WRAPS["fsdp"](model)
+    try:
+        loss(model(**batch(F64))).backward()
+        handle.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_low_bit_adamw_under_fsdp2_is_refused_naming_the_step(ranks):
+    for said in ranks.run(_low_bit_sharded):
+        assert isinstance(said, str) and "shrinkwrap: LowBitAdamW" in said and "fully_shard" in said, said
+
+
 def test_the_step_in_backward_under_ddp_is_refused(ranks):
     for said in ranks.run(_trained_in_backward, "ddp"):
         assert isinstance(said, str) and "before DDP averages it across ranks" in said, said

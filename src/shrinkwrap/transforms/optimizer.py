@@ -263,6 +263,11 @@ class LowBitAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if getattr(p, "_local_tensor", None) is not None:
+                    raise RuntimeError(
+                        "shrinkwrap: LowBitAdamW quantizes whole tensors in blocks, not FSDP2's shards (DTensor); "
+                        "under fully_shard step in backward with a torch optimizer, e.g. "
+                        "step_in_backward(torch.optim.AdamW), or leave the model unsharded")
                 state = self.state[p]
                 if not state:  # zero moments: code 0 in every block (what _quantize makes of zeros)
                     blocks = -(-p.numel() // _BLOCK)
