@@ -7,10 +7,10 @@ they were (no ``_orig_mod.`` prefix), and whatever the earlier steps of the plan
 with it; a module whose forward is torch's own (an ``nn.Sequential``), where that way traces
 nothing, is compiled through a call of this package's own. With ``pattern`` it compiles the
 selected modules instead, each in place (regional compilation), and the rest of the model runs
-eagerly: for a part the compiler makes worse than eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask and attention
-dropout) into unfused math that keeps the probabilities and the dropout mask, 10.5 GB more
-activation at 32 x 512 tokens than eager's fused kernel; compiling every part of the layer but
-``attention.self`` keeps the fused kernel.
+eagerly: for a part the compiler makes worse than eager. On torch 2.11 with an H100, inductor
+traces BERT's attention (a padding mask and attention dropout) into unfused math that keeps the
+probabilities and the dropout mask, 10.5 GB more activation at 32 x 512 tokens than eager's fused
+kernel; compiling every part of the layer but ``attention.self`` keeps the fused kernel.
 
 ``memory_budget`` is the activation memory budget of the min-cut partitioner
 (``torch._functorch.config.activation_memory_budget``: 1.0 saves what the default strategy saves,

@@ -259,7 +259,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             hypers: dict = {}
-            compiled: list = []  # what the compiled update takes: (parameter, state, hyper, update)
+            compiled: list = []  # (parameter, state, hyper) of the parameters the compiled update takes
+            update = None
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -277,12 +278,14 @@ class LowBitAdamW(torch.optim.Optimizer):
                         state[key + "_scale"] = torch.full((blocks,), 1e-30, dtype=torch.float32, device=p.device)
                 state["step"] += 1
                 hyper = self._hyper(p, state["step"], group, hypers)
-                update = _compiled_slice(p) if p.is_contiguous() else None
-                if update is not None:
-                    compiled.append((p, state, hyper, update))
-                else:
+                fn = _compiled_slice(p) if p.is_contiguous() else None
+                if fn is None:
                     self._step_slices(p, state, hyper)
-            _step_packed(compiled)
+                else:
+                    compiled.append((p, state, hyper))
+                    update = fn  # one function a process
+            if compiled:
+                _step_packed(compiled, update)
         return loss
 
     @staticmethod
@@ -331,8 +334,8 @@ class LowBitAdamW(torch.optim.Optimizer):
                          state["v_scale"][blocks], hyper)
 
 
-def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor, Any]]) -> None:
-    """The compiled ``update`` of ``params`` (parameter, state, hyper, update), in calls of up to
+def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor]], update: Any) -> None:
+    """The compiled ``update`` of ``params`` (parameter, state, hyper), in calls of up to
     ``_COMPILED_SLICE`` values: a large parameter a slice at a time, and consecutive small
     parameters packed into one call. Fused, the update keeps no temporaries of its own, and a call
     costs the CPU more than the GPU's pass over its values takes (on an H100 host, some 110 us
@@ -342,19 +345,19 @@ def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor, Any]]) -> 
     torch 2.11). Packing copies the small pieces in and out: the peak did not move."""
     chunk: list = []
     values, key = 0, None
-    for p, state, hyper, update in params:
+    for p, state, hyper in params:
         n = p.numel()
         for lo in range(0, n, _COMPILED_SLICE):
             hi = min(lo + _COMPILED_SLICE, n)
             size = -(-(hi - lo) // _BLOCK) * _BLOCK
-            this = (p.dtype, p.grad.dtype, id(hyper), update)
+            this = (p.dtype, p.grad.dtype, id(hyper))
             if chunk and (this != key or values + size > _COMPILED_SLICE):
-                _step_chunk(chunk, key[-1])
+                _step_chunk(chunk, update)
                 chunk, values = [], 0
             chunk.append((p, state, hyper, lo, hi))
             values, key = values + size, this
     if chunk:
-        _step_chunk(chunk, key[-1])
+        _step_chunk(chunk, update)
 
 
 def _step_chunk(chunk: list, update: Any) -> None:
