@@ -15,7 +15,7 @@ The ~0.5B model is Qwen2-0.5B's shape (24 layers, hidden 896, 151,936 vocabulary
 plan (``best``), then the same with the optimizer step inside backward (``in_backward``), with its
 state on the CPU (``state_cpu``), with bf16 weights and the float32 master copy and state on the
 CPU (``bf16_state_cpu``), lossy all on the GPU (bf16 weights, 8-bit state, stochastic rounding:
-``lossy``), and torchao's ``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where
+``lossy``; ``state8``: its 8-bit state alone, float32 weights), and torchao's ``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where
 torchao is importable: carried as a wheel). Memory from ``shrinkwrap.measure`` in a fresh process
 per row (the steady step's peak, by kind); bytes per parameter on the GPU beside activations are
 (peak - activations) / parameters. Times in turns in one process (``shrinkwrap.time_interleaved``),
@@ -51,6 +51,8 @@ PLANS = {
     "state_cpu": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu')",
     "bf16_state_cpu": f"half(torch.bfloat16), {ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu')",
     "lossy": f"half(torch.bfloat16), {ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
+    # lossy's 8-bit state alone, float32 weights: which of its two changes the loss curve shows
+    "state8": f"{ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
 }
 # The layers' checkpointed inputs offloaded too: at 3B they are the largest term beside the parameters.
 OFFLOAD = r"offload(r'model\.layers\.\d+')"
@@ -223,12 +225,14 @@ def text_tokens() -> torch.Tensor:
     return torch.tensor(list(data), dtype=torch.long)
 
 
-def curves(config_name: str, steps: int) -> list[dict]:
-    """The loss of each step over ``steps`` steps of real text, the exact plan against the lossy one."""
+def curves(config_name: str, steps: int, names: list[str]) -> list[dict]:
+    """The loss of each step over ``steps`` steps of real text, for each plan of ``names``: the
+    exact plan against the lossy ones."""
     tokens = text_tokens()
     per = BATCH * SEQ
     out = []
-    for name, plan in (("in_backward", PLANS["in_backward"]), ("lossy", PLANS["lossy"])):
+    for name in names:
+        plan = PLANS[name]
         model = planned(config_name, plan)
         opt = sw.optimizer(model)
         losses = []
@@ -252,7 +256,8 @@ def curves(config_name: str, steps: int) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate"])
-    parser.add_argument("--configs", default="best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload")
+    parser.add_argument("--configs", help="the rows, comma-separated (default: best,in_backward,state_cpu,"
+                        "bf16_state_cpu,lossy,torchao_offload; for curves in_backward,lossy)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
@@ -261,7 +266,9 @@ def main() -> int:
     if args.chunk_size:
         for key, plan in PLANS.items():
             PLANS[key] = plan.replace("chunked_loss()", f"chunked_loss(chunk_size={args.chunk_size})")
-    names = args.configs.split(",")
+    default = "in_backward,lossy" if args.what == "curves" else \
+        "best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload"
+    names = (args.configs or default).split(",")
     if "torchao_offload" in names:
         try:
             import torchao.optim  # noqa: F401
@@ -277,7 +284,7 @@ def main() -> int:
         DEVICE = "cpu"
         result = estimates("qwen05b", names)
     elif args.what == "curves":
-        result = curves("qwen05b", args.steps)
+        result = curves("qwen05b", args.steps, names)
     else:
         # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
         result = rows("llama3b", [n for n in names if n in HEADLINE], iterations=1, warmup=1)

@@ -181,7 +181,8 @@ def bill_section() -> list[str]:
             f"{round(8192 / r['step_ms'] * 1e3)} tokens/s ({stamp([r])})" for r in heads) + ".", ""]
     if curves:
         out += ["Loss over 200 steps on real text at hand offline (the installed torch's `nn/modules/*.py`, "
-                "byte-tokenized), the exact step in backward against the lossy row, same init and data:", ""]
+                "byte-tokenized), the exact step in backward against the lossy row and its 8-bit state alone "
+                "(state8: float32 weights), same init and data:", ""]
         out += table(["config", "loss, steps 1-3", "loss, mean of steps 181-200", "loss, step 200"],
                      [[r["config"], ", ".join(map(str, r["losses"][:3])), f"{sum(r['losses'][-20:]) / 20:.3f}",
                        str(r["losses"][-1])] for r in curves])

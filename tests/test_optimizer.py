@@ -12,6 +12,7 @@ with the handle. FSDP2 on two ranks: tests/test_distributed.py.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -465,6 +466,19 @@ def test_low_bit_adamw_in_bf16_trains_as_adamw_does_to_within_its_loss():
     assert state["m"].dtype == torch.int8 and state["v"].dtype == torch.uint8
 
 
+def _low_bit_trained(weights: list, grads: list, lr: Any = 0.1) -> tuple[list, dict]:
+    """The weights and state_dict state after LowBitAdamW's steps over ``grads`` (one list a step);
+    ``lr``: a number, or a function of the step's index."""
+    params = [nn.Parameter(w.clone()) for w in weights]
+    opt = sw.LowBitAdamW(params)
+    for i, step_grads in enumerate(grads):
+        opt.param_groups[0]["lr"] = lr(i) if callable(lr) else lr
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()["state"]
+
+
 def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     # float32 weights (no stochastic rounding): slice by slice and all at once are the same numbers,
     # a non-contiguous parameter going in one slice, and a zero moment starts as _quantize's zeros.
@@ -478,13 +492,7 @@ def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     results = []
     for slice_values in (256, 1 << 20):
         monkeypatch.setattr(opt_module, "_SLICE", slice_values)
-        params = [nn.Parameter(w.clone()) for w in weights]
-        opt = sw.LowBitAdamW(params, lr=0.1)
-        for step_grads in grads:
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
-            opt.step()
-        results.append(([p.detach().clone() for p in params], opt.state_dict()["state"]))
+        results.append(_low_bit_trained(weights, grads))
     (sliced, sliced_state), (whole, whole_state) = results
     for a, b in zip(sliced, whole):
         assert torch.equal(a, b)
@@ -520,14 +528,7 @@ def test_low_bit_adamw_s_compiled_update_packs_small_parameters_and_pads_last_bl
     results = []
     for compiled in (spy, None):
         monkeypatch.setattr(opt_module, "_compiled_slice", lambda p, c=compiled: c)
-        params = [nn.Parameter(w.clone()) for w in weights]
-        opt = sw.LowBitAdamW(params, lr=0.1)
-        for i, step_grads in enumerate(grads):
-            opt.param_groups[0]["lr"] = 0.1 / (i + 1)
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
-            opt.step()
-        results.append(([p.detach().clone() for p in params], opt.state_dict()["state"]))
+        results.append(_low_bit_trained(weights, grads, lr=lambda i: 0.1 / (i + 1)))
     (a, a_state), (b, b_state) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(a_state[i][k], b_state[i][k]) for i in range(3) for k in ("m", "v", "m_scale"))
@@ -535,6 +536,53 @@ def test_low_bit_adamw_s_compiled_update_packs_small_parameters_and_pads_last_bl
     # blocks, would overflow the call); 1536: 4, then 2 blocks packed with the 100 values' 1.
     assert shapes[:5] == [(4, 256), (4, 256), (2, 256), (4, 256), (3, 256)] and len(shapes) == 15
     assert counters["stats"]["unique_graphs"] - graphs == 2  # views of a parameter, and a packed buffer
+
+
+def test_low_bit_adamw_never_decodes_a_small_second_moment_as_zero():
+    # A value whose gradient was a thousandth of its block's largest, then zero (an embedding row
+    # whose token the batch lacks): its momentum is still there, and its second moment, a millionth
+    # of the block's, is below the 8-bit code's first step. Decoded as zero it would divide the
+    # momentum by eps alone, moving the weight by thousands of learning rates; floored at the first
+    # code it moves by less than AdamW's usual step, the learning rate.
+    lr = 1e-3
+    p = nn.Parameter(torch.zeros(256))
+    opt = sw.LowBitAdamW([p], lr=lr, weight_decay=0.0)
+    for small in (1e-3, 0.0):
+        before = p.detach().clone()
+        p.grad = torch.zeros(256)
+        p.grad[0], p.grad[1] = 1.0, small
+        opt.step()
+    moved = (p.detach() - before).abs()
+    assert moved[0] == pytest.approx(lr, rel=0.05)
+    assert 0 < moved[1] < lr, moved[1].item()
+
+
+def test_low_bit_adamw_packs_parameters_of_one_kind_together_where_kinds_alternate(monkeypatch):
+    # A transformer's bucket alternates bf16 weights with float32 norms: the packed update takes the
+    # pieces of each dtype into one call (not a call a run of one dtype), with the eager update's
+    # numbers bit for bit.
+    import importlib
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    shapes = []
+
+    def spy(*args):
+        shapes.append((tuple(args[0].shape), args[1].dtype))
+        return opt_module._adamw_slice(*args)
+
+    torch.manual_seed(0)
+    weights = [torch.randn(300, dtype=dtype) for dtype in (torch.float32, torch.float64) * 3]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(2)]
+    results = []
+    for compiled in (spy, None):
+        monkeypatch.setattr(opt_module, "_compiled_slice", lambda p, c=compiled: c)
+        results.append(_low_bit_trained(weights, grads))
+    (a, a_state), (b, b_state) = results
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a_state[i][k], b_state[i][k]) for i in range(6) for k in ("m", "v", "m_scale", "v_scale"))
+    # Three pieces of 300 values a kind, each padded to 2 blocks: one call of 6 blocks a dtype a step.
+    assert shapes == [((6, 256), torch.float32), ((6, 256), torch.float64)] * 2
+    assert not torch.equal(a[1], weights[1])  # it trained
 
 
 def test_low_bit_adamw_keeps_float32_numbers_and_8_bit_state_whatever_the_default_dtype_and_through_a_reload():
