@@ -1383,6 +1383,45 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
     rows.close()
 
 
+def test_regions_that_cannot_fit_the_time_limit_are_not_measured():
+    # The least memory within a time limit of 9 ms over a base of 8 (3% tolerance: 9.27 ms), where
+    # swish() on top wins 2 ms back: 3.27 ms of room. A region whose forward alone takes longer
+    # (the search prices it at that or more) is left unmeasured, and said so; the others, and
+    # every region where a budget or the compiler decides (prune off), are measured.
+    from types import SimpleNamespace
+
+    from shrinkwrap.autoplan.stages import _Search
+    from shrinkwrap.report import Row
+
+    cands = candidates(mlp(), device="cpu")
+    forward = {"1": 12.0, "1.0": 1.0, "1.1": 3.0, "1.2": 3.5, "1.3": 5.0}
+    times = {"": 8.0, "swish()": 6.0}
+
+    class Rows:
+        cuda = False
+
+        def __init__(self):
+            self.measured = []
+
+        def __call__(self, wanted, isolate):
+            self.measured += [str(p) for p in wanted]
+            return [Row(p, SimpleNamespace(step_ms=times.get(str(p), 9.0), saved=100)) for p in wanted]
+
+        def forward_ms(self, plan):
+            return forward
+
+    for prune, unmeasured in ((True, ["1", "1.2", "1.3"]), (False, [])):
+        rows = Rows()
+        search = _Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, 9.0, False, False, 1.125)
+        effects, top, _, t, _ = search.on_top((), cands, Row(sw.Plan(), SimpleNamespace(step_ms=8.0, saved=100)),
+                                              prune)
+        assert [c.covers[0] for c, _, _ in search.unmeasured] == unmeasured
+        assert all(room == pytest.approx(3.27) and cost == forward[c.covers[0]] for c, cost, room in search.unmeasured)
+        kept = [c for c in cands if not c.covers or c.covers[0] not in unmeasured]
+        assert [e.candidate for e in effects] == kept and [r.plan for r in top] == [sw.Plan(c.steps) for c in kept]
+        assert sorted(rows.measured) == sorted(["", *(str(sw.Plan(c.steps)) for c in kept)])
+
+
 def test_a_region_that_recomputes_is_priced_at_its_forward_time_or_no_less_than_nothing():
     from shrinkwrap.autoplan.choose import Effect, _priced, _search
 

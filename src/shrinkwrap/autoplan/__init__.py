@@ -237,7 +237,10 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # What the base took, and what cannot share a plan with it (another step_in_backward), is not
     # measured on top of it.
     rest = [c for c in cands if all(c is not e.candidate and not c.overlaps(e.candidate) for e in in_base)]
-    effects, top_rows, start_mem, start_t, forward = search.on_top(base_steps, rest, baseline)
+    # Without a budget the time limit decides, and a region that cannot fit it is not worth a row;
+    # compiled plans run faster than eager ones, and a budget comes before time: all measured.
+    prune = target is None and not search.by_memory and compile_step is None
+    effects, top_rows, start_mem, start_t, forward = search.on_top(base_steps, rest, baseline, prune)
     report.rows += [*whole_rows, *top_rows]
     # Stage 3: the search, exact over what was measured.
     priced = _priced(effects, forward)  # the measured figures stay in `effects`, for the notes
@@ -316,8 +319,12 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                          f"{low:.3f}-{high:.3f}x): {'within' if search.fits_time(row) else 'over'} the limit "
                          f"of {max_slowdown}x{undecided}")
     notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
-    notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands)} candidates "
-                 f"(in {'subprocesses' if isolate_candidates and cuda else 'this process'}), "
+    notes += [f"left unmeasured: {c}: its forward takes {cost:.1f} ms, more than the {max(room, 0.0):.1f} ms the "
+              f"step-time limit leaves on top of {Plan(base_steps) or 'the model as it is'}"
+              for c, cost, room in search.unmeasured]
+    notes.append(f"autoplan's own time: {measured - started:.1f} s measuring {len(cands) - len(search.unmeasured)} "
+                 f"candidates (in {'subprocesses' if isolate_candidates and cuda else 'this process'}"
+                 f"{f'; {len(search.unmeasured)} more left unmeasured' if search.unmeasured else ''}), "
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
                  "fits there again in a fresh process on CUDA, compiled ones in this process only; each timed in "
                  "turns with the baseline)")
