@@ -126,6 +126,33 @@ def test_a_plain_optimizer_s_state_dict_loads_and_each_parameter_keeps_its_own_s
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
 
 
+def test_a_parameter_bound_again_steps_as_its_new_optimizer_does_in_the_group_a_scheduler_holds(monkeypatch):
+    # FSDP2 swaps a GPU parameter (whose optimizer is fused) for its shard (whose optimizer is the
+    # single-tensor step): the group a scheduler holds carries over, and with it how the new
+    # optimizer steps, not the old one's fused kernel (on two GPUs the weights then differed from
+    # the plain sharded loop's by an ulp). Here a CPU optimizer stands for the fused one.
+    import importlib
+
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    real = opt_module._one_optimizer
+    monkeypatch.setattr(opt_module, "_one_optimizer",
+                        lambda cls, p, options, fused: real(cls, p, options, not hasattr(p, "_shard")))
+    model = nn.Linear(4, 3).double()
+    opt = in_backward(model, f"step_in_backward(torch.optim.AdamW, options={OPTIONS})")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    group = opt.optimizers["weight"].param_groups[0]
+    assert group["fused"] is True
+    shard = nn.Parameter(model.weight.detach().clone())
+    shard._shard = True
+    model.weight = shard
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()  # bound again at the forward
+    new = opt.optimizers["weight"]
+    assert new.param_groups[0] is group and group["params"] == [shard]
+    assert not group["fused"] and group["foreach"] is False
+    sched.step()
+    assert new.param_groups[0]["lr"] == OPTIONS["lr"] * 0.5
+
+
 def test_a_bucket_s_norms_are_each_gradient_s_own_whatever_their_dtypes():
     # One launch a dtype; half gradients' norms widened to float32, as clip_grad_norm_ and the
     # per-parameter stand-in take them, in the bucket's order.

@@ -626,8 +626,11 @@ class InBackward(torch.optim.Optimizer):
                     raise RuntimeError(f"shrinkwrap: parameter {n!r} was replaced after training began (by "
                                        f"sharding?); its optimizer state cannot follow it. Shard the model first.")
                 group = old.param_groups[0]
-                group["params"] = new.param_groups[0]["params"]
-                new.param_groups[0] = group  # the dict a scheduler holds
+                # The dict a scheduler holds, stepping as the new optimizer does: fused where the
+                # old one took a GPU tensor, a shard's single-tensor step (whose bits a plain
+                # sharded loop's match) would otherwise run torch's fused kernel over a DTensor.
+                group.update({k: v for k, v in new.param_groups[0].items() if k in ("params", "foreach", "fused")})
+                new.param_groups[0] = group
             if on is not None:
                 self.cpu[n] = on
             self.optimizers[n], self.params[n] = new, p
