@@ -236,7 +236,7 @@ def _bill_estimates(rows: list[dict]) -> list[str]:
             "be estimated). For best and in_backward the estimate lies within 1% of the measured peak above, and "
             "peaks where it did: once the optimizer no longer holds the peak, the head's loss in the forward does, "
             "and the chunk of rows x 151,936 vocabulary it takes at a time decides it. The estimate counts "
-            "`LowBitAdamW`'s eager update, 1M values a slice; the measured lossy row ran its compiled one, 8M:", "",
+            "`LowBitAdamW`'s eager update, 1M values a slice; the measured lossy row ran its compiled one, up to 16M:", "",
             *table(["config", "chunk_size", "peak MiB", "x best", "parameters", "gradients", "optimizer state",
                     "activations", "bytes/parameter"], body),
             f"Runs: {stamp(rows)}.", ""]

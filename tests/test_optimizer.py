@@ -508,7 +508,8 @@ def _low_bit_trained(weights: list, grads: list, lr: Any = 0.1) -> tuple[list, d
 
 def test_low_bit_adamw_steps_a_large_parameter_in_slices_as_in_one(monkeypatch):
     # float32 weights (no stochastic rounding): slice by slice and all at once are the same numbers,
-    # a non-contiguous parameter going in one slice, and a zero moment starts as _quantize's zeros.
+    # a non-contiguous parameter going in one slice, and a zero first moment starts as _quantize's
+    # zeros.
     import importlib
 
     opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")  # the package exports a function of this name

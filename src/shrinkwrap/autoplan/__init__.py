@@ -14,7 +14,8 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
 2. Each whole-model step (swish, bn_act, autocast) is measured alone against the baseline; the
    best of them within the limits (chosen as in 3.) form a base, and every other candidate is
    measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
-   backward and step time). A region's recompute is priced by its forward time on the base,
+   backward and step time), but for regions whose forward alone takes longer than a time
+   limit leaves, where no budget or compiling decides (the notes list them). A region's recompute is priced by its forward time on the base,
    every module timed in the same iterations (one row per region is noisier than the recompute),
    times the median of what the regions' rows read over their forwards.
 3. The set of candidates is chosen exactly over what was measured (branch and bound): the fastest
@@ -151,7 +152,7 @@ def autoplan(
             the compiler, where the step sets no budget, compiles the whole model and its backend
             partitions: see ``_budgeted``); candidates are still measured eager.
 
-    Returns ``(plan, report)``: the report lists the baseline, every candidate measured alone, the
+    Returns ``(plan, report)``: the report lists the baseline, every candidate measured, the
     chosen plan's measurements and, in its notes, why each candidate was taken or left. A budget
     that cannot be reached is an answer, not an error: the notes say so and name the smallest
     memory found, which is the returned plan's. Where plans fit the budget but none the time

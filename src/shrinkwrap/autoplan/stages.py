@@ -28,7 +28,8 @@ from .choose import Effect, _plan, _effects, _search, _raised, _covered, _withou
 from .compiled import _budgeted, _every_block, _Ahead, _cache_counts
 
 SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
-BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy)
+BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
+# and this much of the time limit is added to the room regions are left unmeasured against (on_top)
 MAX_ROUNDS = 15  # or after this many rounds in turns, by the median
 
 
@@ -335,14 +336,19 @@ class _Search:
 
         With ``prune`` (the least memory within a time limit, no budget, nothing compiled), a
         region whose forward alone takes longer than the room the limit leaves is not measured
-        (:attr:`unmeasured`): the search prices a region at its forward time or more, so it could
-        not take it. The room is the limit less the base's time, plus what the other candidates
-        (measured first) win back. On an H100 at a 1.0x limit efficientnet_v2_s measured 35
-        candidates in 64.6 s, 28 of them regions, and answered with none."""
+        (:attr:`unmeasured`), unless its row is in the cache already: the search prices a region
+        at its forward time or more. The room is the limit less the base's time, plus what the
+        other candidates (measured first) win back, plus ``BEATEN`` of the limit, as a plan grown
+        in verifying is given the room its time in turns leaves, and one row's time is noisier
+        than that. The regions' price scale (:func:`_priced`) is then the median over the
+        regions measured. On an H100 at a 1.0x limit efficientnet_v2_s measured 35 candidates in
+        64.6 s, 28 of them regions, and answered with none."""
         if base_steps and self.rows.cuda and not self.isolate_candidates:
             self.rows.warm_up(Plan(base_steps))  # every candidate is read against the base's row
-        regions = [c for c in rest if c.covers and all(s.recomputes for s in c.steps)]
-        first = [c for c in rest if c not in regions] if prune and self.max_t is not None else rest
+        cached = getattr(self.rows, "cache", {})
+        regions = [c for c in rest if c.covers and all(s.recomputes for s in c.steps)
+                   and (str(Plan(base_steps + c.steps)), self.isolate_candidates and self.rows.cuda) not in cached]
+        first = [c for c in rest if c not in regions] if prune and self.max_t is not None and regions else rest
         rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in first], self.isolate_candidates)
         base = rows[0]
         if base.profile is None or baseline.profile is None:
@@ -354,12 +360,14 @@ class _Search:
         measured = dict(zip(map(id, first), rows[1:]))
         if first is not rest:
             won = sum(min(0.0, e.cost) for e in _effects(first, rows[1:], base, self.metric) if not e.error)
-            room = self.max_t * (1 + self.tolerance) - t - won
+            room = self.max_t * (1 + self.tolerance + BEATEN) - t - won
+            dear = []
             for c in regions:
                 cost = sum(forward[n] for n in c.covers) if all(n in forward for n in c.covers) else None
                 if cost is not None and cost > room:
-                    self.unmeasured.append((c, cost, room))
-            left = [c for c in regions if all(c is not u for u, _, _ in self.unmeasured)]
+                    dear.append((c, cost, room))
+            self.unmeasured += dear
+            left = [c for c in regions if all(c is not u for u, _, _ in dear)]
             measured.update(zip(map(id, left), self.rows([Plan(base_steps + c.steps) for c in left],
                                                          self.isolate_candidates)))
         kept = [c for c in rest if id(c) in measured]

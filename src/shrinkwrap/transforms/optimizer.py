@@ -30,8 +30,9 @@ term away, and with ``state="cpu"`` the state too:
   :class:`LowBitAdamW` keeps AdamW's two moments in 8 bits a value (blocks of 256 with a float32
   scale each, square-root companded, the second moment never coded zero: 2 bytes a parameter
   where float32 takes 8) and, for a bf16 parameter, writes the float32 update back with
-  stochastic rounding instead of keeping a float32 master copy. With ``half(torch.bfloat16)`` a parameter costs 4.03 bytes on the GPU with its
-  state (the block scales the 0.03). On CUDA each slice's update is compiled.
+  stochastic rounding instead of keeping a float32 master copy. With ``half(torch.bfloat16)`` a
+  parameter costs 4.03 bytes on the GPU with its state (the block scales the 0.03). On CUDA
+  each slice's update is compiled.
 
 The user's loop keeps working through the model's optimizer-shaped handle, :func:`optimizer`
 (a ``torch.optim.Optimizer``): its ``param_groups`` are the per-parameter optimizers' own (an LR
@@ -370,8 +371,8 @@ def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor]], update: 
 def _step_chunk(chunk: list, update: Any) -> None:
     """One compiled call over pieces ``(parameter, state, hyper, lo, hi)``, shaped (blocks,
     ``_BLOCK``): one piece of whole blocks as it lies; else the pieces gathered into one buffer, each
-    from a block's start, its last block padded with zeros (which the update keeps zero, as the
-    eager update's padding does), and written back: a copy a tensor kind, not a call a parameter.
+    from a block's start, its last block padded with zeros (which the update keeps at zero, or
+    the second moment's first code, as the eager update's padding), and written back: a copy a tensor kind, not a call a parameter.
     The compiler cannot tile a slice padded to a block by a length it does not know."""
     hyper = chunk[0][2]
     keys = ("m", "m_scale", "v", "v_scale")
