@@ -15,9 +15,10 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
    best of them within the limits (chosen as in 3.) form a base, and every other candidate is
    measured on top of it (on CUDA the peak and step time; without CUDA the bytes saved for
    backward and step time), but for regions whose forward alone takes longer than a time
-   limit leaves, where no budget or compiling decides (the notes list them). A region's recompute is priced by its forward time on the base,
-   every module timed in the same iterations (one row per region is noisier than the recompute),
-   times the median of what the regions' rows read over their forwards.
+   limit leaves, where no budget or compiling decides (the notes list them). A region's
+   recompute is priced by its forward time on the base, every module timed in the same
+   iterations (one row per region is noisier than the recompute), times the median of what the
+   regions' rows read over their forwards.
 3. The set of candidates is chosen exactly over what was measured (branch and bound): the fastest
    set predicted to fit the budget, or the smallest within the time limit; candidates that cover
    the same modules exclude each other. A plan over the time limit in step 4 scales every

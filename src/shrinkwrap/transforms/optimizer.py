@@ -370,10 +370,11 @@ def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor]], update: 
 
 def _step_chunk(chunk: list, update: Any) -> None:
     """One compiled call over pieces ``(parameter, state, hyper, lo, hi)``, shaped (blocks,
-    ``_BLOCK``): one piece of whole blocks as it lies; else the pieces gathered into one buffer, each
-    from a block's start, its last block padded with zeros (which the update keeps at zero, or
-    the second moment's first code, as the eager update's padding), and written back: a copy a tensor kind, not a call a parameter.
-    The compiler cannot tile a slice padded to a block by a length it does not know."""
+    ``_BLOCK``): one piece of whole blocks as it lies; else the pieces gathered into one buffer,
+    each from a block's start, its last block padded with zeros (which the update keeps at zero,
+    or the second moment's first code, as the eager update's padding), and written back: a copy
+    a tensor kind, not a call a parameter. The compiler cannot tile a slice padded to a block by
+    a length it does not know."""
     hyper = chunk[0][2]
     keys = ("m", "m_scale", "v", "v_scale")
     if len(chunk) == 1 and (chunk[0][4] - chunk[0][3]) % _BLOCK == 0:
