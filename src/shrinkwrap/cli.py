@@ -363,12 +363,21 @@ def _rank(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any
         parallelize = functools.partial(wrap, device=device) if wrap else None
         status = _run(args, factory, batch, plan, args.model, parallelize, str(device))
         # Every rank leaves the group together: a gloo rank that tore its group down while rank 0
-        # was still printing once died at exit with SIGABRT ("terminate called without an active
-        # exception", a clean-clone CI run on 2026-11-23; not reproduced in 12 reruns).
+        # was still printing died at exit with SIGABRT ("terminate called without an active
+        # exception", a clean-clone CI run; not reproduced on demand).
         torch.distributed.barrier()
-        return status
     finally:
         torch.distributed.destroy_process_group()
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) == "shrinkwrap.__main__":
+        # The process is this command alone (``python -m shrinkwrap``, as profile --nproc starts
+        # its ranks): it leaves without the interpreter's teardown, where gloo's worker threads
+        # may release tensors after the interpreter is gone and abort the process (torch PR
+        # 179291 describes it). The SIGABRT above came once more after the barrier, at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _budget(text: str) -> str:
