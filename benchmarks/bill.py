@@ -15,8 +15,9 @@ The ~0.5B model is Qwen2-0.5B's shape (24 layers, hidden 896, 151,936 vocabulary
 plan (``best``), then the same with the optimizer step inside backward (``in_backward``), with its
 state on the CPU (``state_cpu``), with bf16 weights and the float32 master copy and state on the
 CPU (``bf16_state_cpu``), lossy all on the GPU (bf16 weights, 8-bit state, stochastic rounding:
-``lossy``; ``state8``: its 8-bit state alone, float32 weights), and torchao's ``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where
-torchao is importable: carried as a wheel). Memory from ``shrinkwrap.measure`` in a fresh process
+``lossy``; ``state8``: its 8-bit state alone, float32 weights), and torchao's
+``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where torchao is importable:
+carried as a wheel). Memory from ``shrinkwrap.measure`` in a fresh process
 per row (the steady step's peak, by kind); bytes per parameter on the GPU beside activations are
 (peak - activations) / parameters. Times in turns in one process (``shrinkwrap.time_interleaved``),
 tokens per second from the median. The loss curves train on real text at hand offline: the Python
@@ -57,6 +58,8 @@ PLANS = {
 # The layers' checkpointed inputs offloaded too: at 3B they are the largest term beside the parameters.
 OFFLOAD = r"offload(r'model\.layers\.\d+')"
 PLANS.update({f"{k}_offload": f"{PLANS[k]}, {OFFLOAD}" for k in ("state_cpu", "bf16_state_cpu")})
+ROWS = "best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload"  # what rows and times run by default
+CURVES = "in_backward,lossy"  # the exact plan and the lossy one
 HEADLINE = ("state_cpu", "bf16_state_cpu", "state_cpu_offload", "bf16_state_cpu_offload")
 
 
@@ -256,8 +259,7 @@ def curves(config_name: str, steps: int, names: list[str]) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate"])
-    parser.add_argument("--configs", help="the rows, comma-separated (default: best,in_backward,state_cpu,"
-                        "bf16_state_cpu,lossy,torchao_offload; for curves in_backward,lossy)")
+    parser.add_argument("--configs", help=f"the rows, comma-separated (default: {ROWS}; for curves {CURVES})")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
@@ -266,9 +268,7 @@ def main() -> int:
     if args.chunk_size:
         for key, plan in PLANS.items():
             PLANS[key] = plan.replace("chunked_loss()", f"chunked_loss(chunk_size={args.chunk_size})")
-    default = "in_backward,lossy" if args.what == "curves" else \
-        "best,in_backward,state_cpu,bf16_state_cpu,lossy,torchao_offload"
-    names = (args.configs or default).split(",")
+    names = (args.configs or (CURVES if args.what == "curves" else ROWS)).split(",")
     if "torchao_offload" in names:
         try:
             import torchao.optim  # noqa: F401

@@ -348,7 +348,8 @@ class _Search:
         cached = getattr(self.rows, "cache", {})
         regions = [c for c in rest if c.covers and all(s.recomputes for s in c.steps)
                    and (str(Plan(base_steps + c.steps)), self.isolate_candidates and self.rows.cuda) not in cached]
-        first = [c for c in rest if c not in regions] if prune and self.max_t is not None and regions else rest
+        pruning = prune and self.max_t is not None and bool(regions)
+        first = [c for c in rest if c not in regions] if pruning else rest
         rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in first], self.isolate_candidates)
         base = rows[0]
         if base.profile is None or baseline.profile is None:
@@ -358,16 +359,13 @@ class _Search:
             t = self.base_t + base.profile.step_ms - baseline.profile.step_ms
         forward = self.rows.forward_ms(Plan(base_steps)) if any(c.covers for c in rest) else {}
         measured = dict(zip(map(id, first), rows[1:]))
-        if first is not rest:
+        if pruning:
             won = sum(min(0.0, e.cost) for e in _effects(first, rows[1:], base, self.metric) if not e.error)
             room = self.max_t * (1 + self.tolerance + BEATEN) - t - won
-            dear = []
-            for c in regions:
-                cost = sum(forward[n] for n in c.covers) if all(n in forward for n in c.covers) else None
-                if cost is not None and cost > room:
-                    dear.append((c, cost, room))
-            self.unmeasured += dear
-            left = [c for c in regions if all(c is not u for u, _, _ in dear)]
+            timed = {id(c): sum(forward[n] for n in c.covers) for c in regions if all(n in forward for n in c.covers)}
+            dear = [c for c in regions if timed.get(id(c), 0.0) > room]
+            self.unmeasured += [(c, timed[id(c)], room) for c in dear]
+            left = [c for c in regions if c not in dear]
             measured.update(zip(map(id, left), self.rows([Plan(base_steps + c.steps) for c in left],
                                                          self.isolate_candidates)))
         kept = [c for c in rest if id(c) in measured]

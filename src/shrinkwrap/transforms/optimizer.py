@@ -162,6 +162,7 @@ def _consumed(p: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor
 _BUCKET = 128 << 20
 _SHARE = 16
 _TOGETHER = 64  # bucket optimizers kept (buckets differ where a forward leaves parameters unused)
+_HOW = ("foreach", "fused")  # the group options that say how an optimizer steps, not what it computes
 
 
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -594,7 +595,7 @@ class InBackward(torch.optim.Optimizer):
         for i, (n, g) in enumerate(zip(self.names, groups)):
             # How each optimizer steps (fused, foreach) stays its own: a plain optimizer's
             # state_dict would otherwise turn a per-parameter step into its multi-tensor path.
-            own = {k: v for k, v in self.optimizers[n].param_groups[0].items() if k in ("foreach", "fused")}
+            own = {k: v for k, v in self.optimizers[n].param_groups[0].items() if k in _HOW}
             one = {"state": {0: state_dict["state"][i]} if i in state_dict["state"] else {},
                    "param_groups": [{**g, **own, "params": [0]}]}
             self.optimizers[n].load_state_dict(one)
@@ -631,7 +632,7 @@ class InBackward(torch.optim.Optimizer):
                 # The dict a scheduler holds, stepping as the new optimizer does: fused where the
                 # old one took a GPU tensor, a shard's single-tensor step (whose bits a plain
                 # sharded loop's match) would otherwise run torch's fused kernel over a DTensor.
-                group.update({k: v for k, v in new.param_groups[0].items() if k in ("params", "foreach", "fused")})
+                group.update({k: v for k, v in new.param_groups[0].items() if k in ("params", *_HOW)})
                 new.param_groups[0] = group
             if on is not None:
                 self.cpu[n] = on
