@@ -901,11 +901,11 @@ def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows
 
 class _Scripted:
     """autoplan's verification against scripted figures: a plan of n single blocks keeps
-    1000 - 100 n bytes and takes ``ms(n)``, whatever its candidates' rows said (each block
-    measured alone: saves 100, costs ``cost`` ms). The baseline takes 8 ms, the limit is 10."""
+    1000 - ``saving`` n bytes and takes ``ms(n)``, whatever its candidates' rows said (each block
+    measured alone: saves ``saving``, costs ``cost`` ms). The baseline takes 8 ms, the limit is 10."""
 
-    def __init__(self, ms, cost: float, cuda: bool = True):
-        self.ms, self.cost, self.cuda, self.measured = ms, cost, cuda, []
+    def __init__(self, ms, cost: float, cuda: bool = True, saving: float = 100.0):
+        self.ms, self.cost, self.cuda, self.measured, self.saving = ms, cost, cuda, [], saving
         self.prof = sw.measure(nn.Linear(2, 2), torch.randn(2, 2), iterations=1, warmup=1)
 
     def blocks(self, plan) -> int:
@@ -931,9 +931,9 @@ class _Scripted:
                     self.ratios[str(plan)] = (sw.Timing((8.0,) * len(ratios)), sw.Timing(tuple(8.0 * r for r in ratios)))
                 return Row(plan, dataclasses.replace(script.prof, step_ms=script.ms(script.blocks(plan))))
 
-        search = Search(self, mlp(), lambda r: 1000 - 100 * self.blocks(r.plan), 1000.0, 8.0, None, 10.0, False,
+        search = Search(self, mlp(), lambda r: 1000 - self.saving * self.blocks(r.plan), 1000.0, 8.0, None, 10.0, False,
                         False, 1.25, tolerance=0.0)
-        effects = [ap.Effect(c, 100.0, self.cost, priced_by_forward=by_forward) for c in candidates(mlp(), device="cpu")
+        effects = [ap.Effect(c, self.saving, self.cost, priced_by_forward=by_forward) for c in candidates(mlp(), device="cpu")
                    if c.covers and "." in c.covers[0]]
         tried = search.verify(search.search(effects, 1000.0, 8.0), [], effects, rounds, None, 0)
         return search, tried, search.final(tried)
@@ -987,6 +987,14 @@ def test_without_a_budget_a_plan_that_fits_is_grown_while_its_measured_time_leav
     assert search.fits(best)
     fresh = [text for text, isolated in script.measured if isolated]
     assert fresh == ([str(best.plan)] if cuda else [])  # only the answer measured fresh
+
+
+def test_a_plan_that_fits_is_not_grown_by_what_would_save_less_than_alike_memory():
+    # The same times as above, each block saving 1% of the memory: two blocks would be plans of
+    # alike memory (SAME_MEMORY), of which the answer is the faster, one block; no round grows it.
+    script = _Scripted(lambda n: 8 + 0.5 * n, cost=1.5, saving=10.0)
+    search, tried, best = script.verify()
+    assert [script.blocks(r.plan) for r in tried] == [1] and search.fits(best)
 
 
 def test_a_plan_that_fits_is_grown_only_into_the_room_its_timing_in_turns_surely_leaves():
@@ -1056,17 +1064,13 @@ def test_rows_in_this_process_are_copies_of_one_model_the_factory_made_where_it_
     assert report.value(report.rows[-1]) <= 0.45 * report.value(report.rows[0])
 
 
-def test_a_row_that_reads_faster_in_as_little_memory_is_verified_and_answers():
-    # A looser limit's answer (A) beside rows of the same search: the tighter limit's answer from
-    # the shared cache (B: alike memory, a third less time), a candidate that reads less memory
-    # but slower (C), one a little over the 2% of alike memory (D). B is measured as a chosen
-    # plan is and answers; C and D are not measured again.
+def _lettered(figures):
+    """Rows of plans named by letter, each reading ``figures[letter]`` (memory, ms; A is the
+    answer, the others candidates), and a row source that notes the letters it measures."""
     from types import SimpleNamespace
 
-    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
-    figures = {"A": (500, 30.0), "B": (495, 20.0), "C": (400, 40.0), "D": (505, 10.0)}
     plans = {k: sw.Plan.parse(f"checkpoint('{i}')") for i, k in enumerate(figures)}
     name = {str(p): k for k, p in plans.items()}
 
@@ -1080,7 +1084,18 @@ def test_a_row_that_reads_faster_in_as_little_memory_is_verified_and_answers():
             self.measured += [name[str(p)] for p in wanted]
             return [row(name[str(p)]) for p in wanted]
 
-    rows = Rows()
+    return Rows(), row, name
+
+
+def test_a_row_that_reads_faster_in_as_little_memory_is_verified_and_answers():
+    # A looser limit's answer (A) beside rows of the same search: the tighter limit's answer from
+    # the shared cache (B: alike memory, a third less time), a candidate that reads less memory
+    # but slower (C), one a little over the 2% of alike memory (D). B is measured as a chosen
+    # plan is and answers; C and D are not measured again.
+    from shrinkwrap.autoplan.stages import _Search
+
+    figures = {"A": (500, 30.0), "B": (495, 20.0), "C": (400, 40.0), "D": (505, 10.0)}
+    rows, row, name = _lettered(figures)
     search = _Search(rows, None, lambda r: figures[name[str(r.plan)]][0], 1000.0, 30.0, 600.0, None, False, False)
     tried = search.undominated([row("A")], [row(k) for k in "BCD"])
     assert rows.measured == ["B"] and name[str(search.final(tried).plan)] == "B"
@@ -1091,6 +1106,35 @@ def test_a_row_that_reads_faster_in_as_little_memory_is_verified_and_answers():
     assert search.undominated([row("A")], [row("B")]) == [row("A")]
     rows.cuda, search.target = False, 600.0
     assert search.undominated([row("A")], [row("B")]) == [row("A")] and rows.measured == ["B"]
+
+
+def test_where_no_verified_plan_meets_the_time_limit_a_measured_row_within_it_is_verified():
+    # A time limit of 30 ms and no budget: the verified plan (A) took 40, so the answer would be
+    # the model as it is (1000 bytes, 30 ms). B and D read less memory within the limit by their
+    # own rows, C is over it, E keeps memory alike to the model's: B, the least, is verified and
+    # answers; where it times over the limit in turns, D is tried next.
+    from shrinkwrap.autoplan.stages import _Search
+
+    figures = {"A": (500, 40.0), "B": (495, 29.0), "C": (400, 40.0), "D": (700, 25.0), "E": (990, 10.0)}
+    rows, row, name = _lettered(figures)
+
+    class Search(_Search):
+        slow: set = set()
+
+        def time_against_baseline(self, plan):  # the ratio in turns: 1.0x, or 1.2x for the slow ones
+            ratio = 1.2 if name[str(plan)] in self.slow else 1.0
+            self.ratios[str(plan)] = (sw.Timing((30.0,) * 5), sw.Timing((30.0 * ratio,) * 5))
+
+    search = Search(rows, None, lambda r: figures[name[str(r.plan)]][0], 1000.0, 30.0, None, 30.0, False, False, 1.0)
+    assert not search.fits(row("A"))
+    tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
+    assert rows.measured == ["B"] and name[str(search.final(tried).plan)] == "B" and search.fits(search.final(tried))
+    rows.measured, search.ratios, search.slow = [], {}, {"B"}
+    tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
+    assert rows.measured == ["B", "D"] and name[str(search.final(tried).plan)] == "D"
+    # With a budget the answer outside the limits is the search's (see _answer): nothing is measured.
+    rows.measured, search.ratios, search.target = [], {}, 600.0
+    assert search.undominated([row("A")], [row(k) for k in "BCDE"]) == [row("A")] and rows.measured == []
 
 
 def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatch):
