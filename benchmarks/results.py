@@ -392,7 +392,9 @@ def zoo_section() -> list[str]:
            "eager unless a compile=True column has figures. Each cell: activation (peak less static) x fp32's @ step time x "
            "compile + bf16's, medians timed in turns in that process. Dominated: another row with at least 2% less "
            "activation whose slowest round is faster than the answer's fastest. \"every block\": torch's "
-           "`checkpoint_wrapper` on the block classes a user names (`zoo.ZOO`) under bf16 autocast.", ""]
+           "`checkpoint_wrapper` on the block classes a user names (`zoo.ZOO`) under bf16 autocast. A model's "
+           "autoplan calls share one cache, in the order 1.0x, 1.5x, compile=True: the later calls' seconds leave "
+           "out the candidates the first one measured.", ""]
     out += zoo_lines(latest_run)
     return out + [f"Runs: {stamp([r for r in latest_run if 'gpu' in r])}.", ""]
 
