@@ -260,7 +260,7 @@ def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_blo
     measured = []
 
     class Search(ap._Search):
-        def measure_chosen(self, plan, isolate=True):
+        def measure_chosen(self, plan, isolate=True, beside=()):
             measured.append((str(plan), isolate))
             return Row(plan, dataclasses.replace(prof, step_ms=9.0))
 
@@ -380,7 +380,7 @@ def test_an_answer_its_fresh_process_reads_over_the_budget_hands_the_answer_to_t
         return r
 
     class Search(_Search):
-        def measure_chosen(self, plan, isolate=True):
+        def measure_chosen(self, plan, isolate=True, beside=()):
             measured.append(str(plan))
             return row(str(plan), fresh[str(plan)], here[str(plan)][1])
 
@@ -779,7 +779,7 @@ def test_the_compile_stage_measures_the_smallest_sets_budgeted_form_where_it_kee
     measured = []
 
     class Search(_Search):
-        def measure_chosen(self, plan, isolate=True):
+        def measure_chosen(self, plan, isolate=True, beside=()):
             measured.append(str(plan))
             return Row(plan, dataclasses.replace(rows[0].profile), role="chosen")
 
@@ -811,7 +811,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
         ahead.append(([str(p) for p in plans], room)) or (2, [None, "OutOfMemoryError: ..."])))
 
     class Search(_Search):
-        def measure_chosen(self, plan, isolate=True):
+        def measure_chosen(self, plan, isolate=True, beside=()):
             measured.append(str(plan))
             return Row(plan, dataclasses.replace(rows[0].profile), role="chosen")
 
@@ -923,7 +923,7 @@ class _Scripted:
         script = self
 
         class Search(ap._Search):
-            def measure_chosen(self, plan, isolate=True):  # each plan measured once, as _Rows caches
+            def measure_chosen(self, plan, isolate=True, beside=()):  # each plan measured once, as _Rows caches
                 if (str(plan), isolate and script.cuda) not in script.measured:
                     script.measured.append((str(plan), isolate and script.cuda))
                 if in_turns is not None:
@@ -955,7 +955,7 @@ def test_savings_that_do_not_add_up_are_measured_where_they_decide_the_set():
     measured = []
 
     class Search(ap._Search):
-        def measure_chosen(self, plan, isolate=True):
+        def measure_chosen(self, plan, isolate=True, beside=()):
             if not isolate:  # refined in this process (then measured again where it fits, as _Rows caches)
                 measured.append(blocks(plan))
             return Row(plan, dataclasses.replace(prof, step_ms=8.0 + blocks(plan)))
@@ -1135,6 +1135,32 @@ def test_where_no_verified_plan_meets_the_time_limit_a_measured_row_within_it_is
     # With a budget the answer outside the limits is the search's (see _answer): nothing is measured.
     rows.measured, search.ratios, search.target = [], {}, 600.0
     assert search.undominated([row("A")], [row(k) for k in "BCDE"]) == [row("A")] and rows.measured == []
+
+
+def test_a_plan_that_reads_more_memory_than_one_within_the_limits_is_not_timed_in_turns():
+    # The least memory within 40 ms is the answer: A (500 bytes) is within it. A compiled plan
+    # reading 600 cannot answer before A whatever its time, and is not timed in turns; one reading
+    # 505 (alike memory: the faster answers) and one reading 400 are. With a budget the fastest
+    # within it answers: every plan within the budget is timed.
+    from shrinkwrap.autoplan.stages import _Search
+
+    figures = {"A": (500, 30.0), "B": (600, 20.0), "C": (505, 20.0), "D": (400, 35.0)}
+    rows, row, name = _lettered(figures)
+    timed = []
+
+    class Search(_Search):
+        def time_against_baseline(self, plan):
+            timed.append(name[str(plan)])
+
+    search = Search(rows, None, lambda r: figures[name[str(r.plan)]][0], 1000.0, 40.0, None, 40.0, False, False, 1.0)
+    for k in "BCD":
+        search.measure_chosen(row(k).plan, isolate=False, beside=[row("A")])
+    assert timed == ["C", "D"] and rows.measured == ["B", "C", "D"]
+    timed.clear()
+    search.target = 1000.0
+    for k in "BCD":
+        search.measure_chosen(row(k).plan, isolate=False, beside=[row("A")])
+    assert timed == ["B", "C", "D"]
 
 
 def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatch):

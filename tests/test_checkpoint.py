@@ -499,7 +499,7 @@ def test_saved_matmuls_are_not_recomputed_and_the_numbers_do_not_change():
         out_r, g_r = run(ref, x, seed=7)
         out_m, g_m = run(model, x, seed=7)  # dropout on: the recompute draws the forward's masks
         assert torch.equal(out_r, out_m) and g_r.keys() == g_m.keys()
-        assert all(torch.equal(g_r[n], g_m[n]) for n in g_r), n
+        assert all(torch.equal(g_r[n], g_m[n]) for n in g_r), [n for n in g_r if not torch.equal(g_r[n], g_m[n])]
     recomputed, saved = _backward_ops(plain, x), _backward_ops(kept, x)
     # The plain regions run each first Linear again in backward (the recompute stops before the
     # second, whose output is the region's); the kept ones run none.

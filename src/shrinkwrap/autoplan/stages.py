@@ -295,14 +295,26 @@ class _Search:
             max_rounds=MAX_ROUNDS)
         self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
 
-    def measure_chosen(self, plan: Plan, isolate: bool = True) -> Row:
+    def measure_chosen(self, plan: Plan, isolate: bool = True, beside: list[Row] = ()) -> Row:
         """A plan autoplan may answer with: measured in a fresh process (on CUDA, unless ``isolate``
         is false), and where it fits the budget, timed in turns with the baseline for the
-        step-time limit."""
+        step-time limit, unless a row ``beside`` it already answers before it (:meth:`outdone`)."""
         row = self.rows([plan], isolate)[0]
-        if row.profile is not None and (self.target is None or self.metric(row) <= self.target):
+        if row.profile is not None and (self.target is None or self.metric(row) <= self.target) \
+                and not self.outdone(row, beside):
             self.time_against_baseline(plan)
         return row
+
+    def outdone(self, row: Row, beside: list[Row]) -> bool:
+        """Whether :meth:`final` answers with a row of ``beside`` before ``row`` whatever ``row``'s
+        time: where the least memory within the time limit is the answer, one within the limits
+        that reads more than :data:`SAME_MEMORY` less. Its timing in turns then decides nothing
+        (a compiled plan's is a second compilation, from the caches, and rounds of the eager
+        baseline beside it)."""
+        if self.target is not None and not self.by_memory:
+            return False
+        mem = self.metric(row)
+        return any(self.fits(r) and (1 + SAME_MEMORY) * self.metric(r) < mem for r in beside)
 
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
         return _search(effects, mem, t, target, self.max_t, self.speedups)
@@ -569,8 +581,10 @@ class _Search:
         plan with every block checkpointed instead of its regions (:func:`_every_block`), measured as the verified plans are
         (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
         anyway, and a fresh process would compile it a second time (on an H100 that was most of
-        autoplan's time: 114 of 149 s on resnet18). With inductor they are compiled ahead, side by
-        side (:meth:`compile_ahead`). A plan that fails to compile is a row with its error."""
+        autoplan's time: 114 of 149 s on resnet18). Without a budget, one that reads more memory
+        than a plan already within the limits is not timed in turns (:meth:`outdone`). With
+        inductor they are compiled ahead, side by side (:meth:`compile_ahead`). A plan that fails
+        to compile is a row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
@@ -589,7 +603,7 @@ class _Search:
         for i, plan in enumerate(plans):
             if progress:
                 progress(i, len(plans), f"compiled: {plan}")
-            row = self.measure_chosen(plan, isolate=False)
+            row = self.measure_chosen(plan, isolate=False, beside=tried + rows)
             row.role = "compiled"
             rows.append(row)
         if before is not None:
