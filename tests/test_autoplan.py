@@ -813,8 +813,10 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     class Search(_Search):
         def measure_chosen(self, plan, isolate=True, beside=()):
             measured.append(str(plan))
+            besides.append(len(beside))
             return Row(plan, dataclasses.replace(rows[0].profile), role="chosen")
 
+    besides = []
     base = Row(sw.Plan(), dataclasses.replace(rows[0].profile, peak=3000, first_peak=4000))
     cache = {("", True): base, (r"checkpoint('layer1'), compile()", False): rows[0]}  # measured already
     stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True)
@@ -823,6 +825,8 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room),) = ahead
     assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 4
+    # Each measured beside the verified rows and the compiled rows before it (see _Search.outdone).
+    assert besides == list(range(len(rows), len(rows) + len(measured)))
     # Among them the one-line recipe: every block a region of its own, compiled.
     assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
     assert room == 4000 and (search.ahead.plans, search.ahead.at_once) == (4, 2)
@@ -1132,9 +1136,35 @@ def test_where_no_verified_plan_meets_the_time_limit_a_measured_row_within_it_is
     rows.measured, search.ratios, search.slow = [], {}, {"B"}
     tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
     assert rows.measured == ["B", "D"] and name[str(search.final(tried).plan)] == "D"
+    # A row whose memory is alike to the model's (E) is no better answer than the model itself.
+    rows.measured, search.ratios, search.slow = [], {}, set()
+    assert search.undominated([row("A")], [row("E")]) == [row("A")] and rows.measured == []
+    # With maximize="batch" the time limit decides the plan whatever the budget: B is verified.
+    search.target, search.by_memory = 600.0, True
+    tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
+    assert rows.measured == ["B"] and name[str(search.final(tried).plan)] == "B"
     # With a budget the answer outside the limits is the search's (see _answer): nothing is measured.
-    rows.measured, search.ratios, search.target = [], {}, 600.0
+    rows.measured, search.ratios, search.by_memory = [], {}, False
     assert search.undominated([row("A")], [row(k) for k in "BCDE"]) == [row("A")] and rows.measured == []
+
+
+def test_the_notes_take_the_candidates_the_answer_is_made_of():
+    # An answer verified as its candidate's row was measured (autocast, then a block on top of
+    # it): those two; a compiled form of the verified plan: the verified plan's; a verified set: its own.
+    from types import SimpleNamespace
+
+    from shrinkwrap.autoplan import _made_of
+    from shrinkwrap.autoplan.choose import Effect
+
+    effects = [Effect(c, 1.0, 1.0) for c in candidates(mlp(), device="cpu", allow_lossy=True)]
+    by_name = {str(e.candidate): e for e in effects}
+    lossy, block, other = by_name["autocast(torch.bfloat16)"], by_name["checkpoint(('1.2',))"], by_name["swish()"]
+    search = SimpleNamespace(sets={"swish()": [other]})
+    verified = [other]
+    row_plan = sw.Plan(lossy.candidate.steps + block.candidate.steps)
+    assert _made_of(search, row_plan, effects, verified) == [block, lossy]
+    assert _made_of(search, row_plan + sw.Plan.parse("compile()"), effects, verified) == verified
+    assert _made_of(search, sw.Plan.parse("swish()"), effects, []) == [other]
 
 
 def test_a_plan_that_reads_more_memory_than_one_within_the_limits_is_not_timed_in_turns():
@@ -1156,6 +1186,14 @@ def test_a_plan_that_reads_more_memory_than_one_within_the_limits_is_not_timed_i
     for k in "BCD":
         search.measure_chosen(row(k).plan, isolate=False, beside=[row("A")])
     assert timed == ["C", "D"] and rows.measured == ["B", "C", "D"]
+    # Beside a plan over the time limit (E: 50 ms), every plan could answer, and is timed.
+    timed.clear()
+    figures["E"] = (500, 50.0)
+    rows, row, name = _lettered(figures)
+    search.rows = rows
+    for k in "BCD":
+        search.measure_chosen(row(k).plan, isolate=False, beside=[row("E")])
+    assert timed == ["B", "C", "D"]
     timed.clear()
     search.target = 1000.0
     for k in "BCD":
@@ -1588,6 +1626,13 @@ def test_the_note_on_an_eager_answer_says_a_compiled_plan_did_not_train_under_th
     assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): did not train under the budget's cap")
     compiled.fits = None  # within the budget, and slower than the answer
     assert _eager_won(search, rows, eager).endswith("checkpoint('a'), compile(): slower (30.0 ms)")
+    # Without a budget, one that reads more memory than the answer within the limits was not
+    # timed in turns (_Search.outdone): more memory, whatever its own row's time.
+    rows, metric = _rows({"checkpoint('a')": (500.0, 20.0), "checkpoint('a'), compile()": (600.0, 90.0)})
+    eager, compiled = rows
+    compiled.role = "compiled"
+    search = _Search(SimpleNamespace(cuda=True), None, metric, 1000.0, 8.0, None, 40.0, False, False, 1.0)
+    assert _eager_won(search, rows, eager).endswith("compile(): more memory (0.0 MiB; not timed in turns)")
 
 
 def test_a_base_step_is_not_measured_together_with_a_candidate_that_cannot_share_its_plan(monkeypatch):

@@ -58,7 +58,7 @@ from ..measure.step import LossFn, OptimizerFactory, Options, device_name, resol
 from ..plan import Plan
 from ..processes import _unsendable, model_maker
 from ..report import Report, Row
-from .choose import candidates, _priced, _effect_notes
+from .choose import Effect, candidates, _priced, _effect_notes
 from .compiled import _compile_step
 from .stages import SAME_MEMORY, _Rows, _gc_frozen, _isolation, _Search
 
@@ -292,9 +292,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
             final = least
         else:
             final = checked
-        chosen = search.sets.get(str(final.plan), chosen)  # what the answer is made of, for the notes
-    if final is base:
-        chosen = []  # no candidate is taken
+    chosen = [] if final is base else _made_of(search, final.plan, effects, chosen)  # for the notes
 
     # What answers the question first (the limits, whether they were met, the plan); then why.
     notes = [f"baseline: {base_mem / 2**20:.1f} MiB ({report.metric}), {base_t:.1f} ms per step", *report.notes]
@@ -359,6 +357,20 @@ def _answerable(cache: dict, cands: list, compile_step: Plan | None, allow_lossy
 _TERMS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"))
 
 
+def _made_of(search: _Search, plan: Plan, effects: list[Effect], verified: list[Effect]) -> list[Effect]:
+    """The candidates the answer ``plan`` is made of: the set it was verified as; or, for a row
+    verified as it was measured (a candidate on top of the base, a whole-model step alone: see
+    :meth:`_Search.undominated`), the candidates whose steps make it up; or else (a compiled
+    form of the verified plan) the ``verified`` plan's."""
+    made = search.sets.get(str(plan))
+    if made is not None:
+        return made
+    made = [e for e in effects if e.candidate.steps and all(s in plan.steps for s in e.candidate.steps)]
+    if sorted(str(s) for e in made for s in e.candidate.steps) == sorted(str(s) for s in plan.steps):
+        return made
+    return verified
+
+
 def _bill_cut(base: Row, final: Row) -> list[str]:
     """A note where the answer cuts the bill beyond activations (a step in backward, the state on
     the CPU, half-precision weights): which terms, from what to what; and, where it steps the
@@ -385,6 +397,8 @@ def _eager_won(search: _Search, tried: list[Row], final: Row) -> str:
             return f"over the budget ({mem / 2**20:.1f} MiB)"
         if r.fits is False:
             return "did not train under the budget's cap"
+        if str(r.plan) not in search.ratios and search.outdone(r, tried):
+            return f"more memory ({mem / 2**20:.1f} MiB; not timed in turns)"
         if not search.fits_time(r):
             return f"over the step-time limit ({r.profile.step_ms:.1f} ms)"
         if final.profile is None or (search.target is not None and not search.by_memory) or \

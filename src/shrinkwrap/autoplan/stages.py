@@ -437,8 +437,8 @@ class _Search:
             # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
-            if nxt and sum(e.saving for e in nxt) < SAME_MEMORY * self.metric(row):
-                nxt = []  # memory alike: final() would answer with the faster plan, this one
+            if nxt and sum(e.saving for e in nxt) < SAME_MEMORY / (1 + SAME_MEMORY) * self.metric(row):
+                nxt = []  # memory alike (final()'s band): it would answer with the faster plan, this one
             if any(slow <= _covered(chosen + nxt) for slow in over):
                 nxt = []  # back into a set already over the time limit (more recompute only adds time)
             if not nxt and (self.fits(row) or self.by_memory):
@@ -548,12 +548,12 @@ class _Search:
         beyond one row's noise, and a looser limit cannot answer with a plan that a tighter
         limit's answer beats (on an H200 the 1.5x answer for efficientnet_b0 once kept the 1.0x
         answer's memory at 1.5x its time). Where no plan verified meets a time limit without a
-        budget, the answer is the model as it is (:func:`_answer`); the row that reads the least
-        memory, at least :data:`SAME_MEMORY` less than it, within the limit by its own time is
-        verified then: the plans verified grow from the search's choice and shrink from it by
-        dropping, and a candidate's own row (``autocast(bf16)`` alone, say) may fit where none
-        of them did. Other answers outside the limits are not guarded. At most ``tries`` plans:
-        each is a fresh process and a timing in turns."""
+        budget (or with ``maximize="batch"``), the answer is the model as it is (:func:`_answer`);
+        the row that reads the least memory, at least :data:`SAME_MEMORY` less than it, within
+        the limit by its own time is verified then: the plans verified grow from the search's
+        choice and shrink from it by dropping, and a candidate's own row (``autocast(bf16)``
+        alone, say) may fit where none of them did. Other answers outside the limits are not
+        guarded. At most ``tries`` plans in all: each is a fresh process and a timing in turns."""
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
             seen = {str(r.plan) for r in tried}
@@ -562,7 +562,7 @@ class _Search:
                 better = [r for r in known if self.metric(r) <= (1 + SAME_MEMORY) * self.metric(best)
                           and (self.target is None or self.metric(r) <= self.target)
                           and r.profile.step_ms < (1 - BEATEN) * best.profile.step_ms]
-            elif self.max_t is not None and (self.target is None or self.by_memory):
+            elif self.max_t is not None and (self.target is None or self.by_memory) and not self.holds(best):
                 better = [r for r in known if self.metric(r) <= (1 - SAME_MEMORY) * self.base_mem and self.fits_time(r)]
             else:
                 break
