@@ -1148,6 +1148,27 @@ def test_where_no_verified_plan_meets_the_time_limit_a_measured_row_within_it_is
     assert search.undominated([row("A")], [row(k) for k in "BCDE"]) == [row("A")] and rows.measured == []
 
 
+def test_a_measured_row_with_less_memory_within_the_time_limit_is_verified_beside_the_answer():
+    # The least memory within 40 ms: the answer A (500 bytes, 30 ms) fits; B reads less within the
+    # limit by its own row and is verified, and answers; C reads less but over the limit, D as
+    # little as A (within SAME_MEMORY) and slower: neither is measured. With a budget the fastest
+    # within it answers, and B is no better answer (slower than A).
+    from shrinkwrap.autoplan.stages import _Search
+
+    figures = {"A": (500, 30.0), "B": (300, 38.0), "C": (200, 60.0), "D": (495, 35.0)}
+    rows, row, name = _lettered(figures)
+
+    class Search(_Search):
+        def time_against_baseline(self, plan):
+            pass  # its own row's time decides (fits_time)
+
+    search = Search(rows, None, lambda r: figures[name[str(r.plan)]][0], 1000.0, 40.0, None, 40.0, False, False, 1.0)
+    tried = search.undominated([row("A")], [row(k) for k in "BCD"])
+    assert rows.measured == ["B"] and name[str(search.final(tried).plan)] == "B"
+    rows.measured, search.target = [], 600.0
+    assert search.undominated([row("A")], [row(k) for k in "BCD"]) == [row("A")] and rows.measured == []
+
+
 def test_the_notes_take_the_candidates_the_answer_is_made_of():
     # An answer verified as its candidate's row was measured (autocast, then a block on top of
     # it): those two; a compiled form of the verified plan: the verified plan's; a verified set: its own.
