@@ -412,10 +412,10 @@ class _Search:
         - Without a budget (the least memory within the time limit), a plan that fits is grown
           while rounds are left: the smallest set of what is left, predicted from the plan's own
           measured time (the top of its ratio's interval, where it was timed in turns), is
-          added, since the prices may have overstated the cost, unless it would save less than
-          :data:`SAME_MEMORY` of the plan's memory (alike memory: :meth:`final` answers with the
-          faster plan, and a round is a copy of the model measured and timed in turns); the
-          smallest plan that fitted is then the one measured fresh.
+          added, since the prices may have overstated the cost, unless the two would be alike
+          in memory (:data:`SAME_MEMORY`: :meth:`final` answers with the faster plan, and a
+          round is a copy of the model measured and timed in turns); the smallest plan that
+          fitted is then the one measured fresh.
 
         Costs are only raised, what was dropped is not added back, and a plan is not grown back
         into a set that was measured over the time limit, so rounds cannot swing between two
@@ -561,7 +561,8 @@ class _Search:
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
             seen = {str(r.plan) for r in tried}
-            known = [r for r in measured if r.profile is not None and str(r.plan) not in seen and self.metric(r) is not None]
+            known = [r for r in measured
+                     if r.profile is not None and str(r.plan) not in seen and self.metric(r) is not None]
             if self.fits(best):
                 mem, faster = self.metric(best), best.profile.step_ms
             elif least_within and not self.holds(best):
@@ -588,8 +589,9 @@ class _Search:
         plan with every block checkpointed instead of its regions (:func:`_every_block`), measured as the verified plans are
         (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
         anyway, and a fresh process would compile it a second time (on an H100 that was most of
-        autoplan's time: 114 of 149 s on resnet18). Without a budget, one that reads more memory
-        than a plan already within the limits is not timed in turns (:meth:`outdone`). With
+        autoplan's time: 114 of 149 s on resnet18). Without a budget (or with ``maximize="batch"``),
+        one that reads more memory than a plan already within the limits is not timed in turns
+        (:meth:`outdone`). With
         inductor they are compiled ahead, side by side (:meth:`compile_ahead`). A plan that fails
         to compile is a row with its error."""
         final = self.final(tried).plan
