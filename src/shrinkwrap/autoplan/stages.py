@@ -549,14 +549,15 @@ class _Search:
         limit's answer beats (on an H200 the 1.5x answer for efficientnet_b0 once kept the 1.0x
         answer's memory at 1.5x its time). Where the least memory within a time limit is the
         answer (no budget, or ``maximize="batch"``), a row that reads at least
-        :data:`SAME_MEMORY` less than the answer (the model as it is, where no plan verified
-        meets the limit: :func:`_answer`) within the limit by its own time is verified too: the
+        :data:`SAME_MEMORY` less than the answer within the limit by its own time is verified
+        too, the least memory first, once no faster row of alike memory is left to verify: the
         plans verified grow from the search's choice and shrink from it by dropping, and a
         candidate's own row may fit where none of them did (on an H100, efficientnet_v2_s at
         1.0x answered with the model as it is beside its ``autocast(bf16)`` row, which read 47%
-        less memory in 10% less time). Of those, the least memory first. Other answers outside
-        the limits are not guarded. At most ``tries`` plans in all: each is a fresh process and a
-        timing in turns."""
+        less memory in 10% less time). Where no plan verified meets the time limit, the answer
+        is the model as it is (:func:`_answer`), and the rows are read against it. Other answers
+        outside the limits are not guarded. At most ``tries`` plans in all: each is a fresh
+        process and a timing in turns."""
         least_within = self.max_t is not None and (self.target is None or self.by_memory)
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
@@ -565,15 +566,15 @@ class _Search:
                      if r.profile is not None and str(r.plan) not in seen and self.metric(r) is not None]
             if self.fits(best):
                 mem, faster = self.metric(best), best.profile.step_ms
-            elif least_within and not self.holds(best):
-                mem, faster = self.base_mem, None
+            elif least_within:  # over the budget with maximize="batch" (scaled later), or over the time limit
+                mem, faster = (self.metric(best) if self.holds(best) else self.base_mem), None
             else:
                 break
-            better = [r for r in known
-                      if (faster is not None and self.metric(r) <= (1 + SAME_MEMORY) * mem
-                          and (self.target is None or self.metric(r) <= self.target)
-                          and r.profile.step_ms < (1 - BEATEN) * faster)
-                      or (least_within and self.metric(r) <= (1 - SAME_MEMORY) * mem and self.fits_time(r))]
+            better = [r for r in known if faster is not None and self.metric(r) <= (1 + SAME_MEMORY) * mem
+                      and (self.target is None or self.metric(r) <= self.target)
+                      and r.profile.step_ms < (1 - BEATEN) * faster]
+            better = better or [r for r in known if least_within and self.metric(r) <= (1 - SAME_MEMORY) * mem
+                                and self.fits_time(r)]
             if not better:
                 break
             row = self.measure_chosen(min(better, key=self.metric).plan)
