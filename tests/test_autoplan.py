@@ -1136,9 +1136,16 @@ def test_where_no_verified_plan_meets_the_time_limit_a_measured_row_within_it_is
     rows.measured, search.ratios, search.slow = [], {}, {"B"}
     tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
     assert rows.measured == ["B", "D"] and name[str(search.final(tried).plan)] == "D"
-    # A row whose memory is alike to the model's (E) is no better answer than the model itself.
+    # A row whose memory is alike to the model's (E) is no better answer than the model itself;
+    # nor is B where its fresh reading is (the model as it is answers, and is among no rows): D is.
     rows.measured, search.ratios, search.slow = [], {}, set()
     assert search.undominated([row("A")], [row("E")]) == [row("A")] and rows.measured == []
+    fresh = search.measure_chosen
+    search.measure_chosen = lambda plan: (figures.update(B=(990, 29.0)) if name[str(plan)] == "B" else None) or fresh(plan)
+    tried = search.undominated([row("A")], [row(k) for k in "BCDE"])
+    assert rows.measured == ["B", "D"] and [name[str(r.plan)] for r in tried] == ["A", "D"]
+    figures["B"], rows.measured, search.ratios = (495, 29.0), [], {}
+    del search.measure_chosen
     # With maximize="batch" the time limit decides the plan whatever the budget: B is verified.
     search.target, search.by_memory = 600.0, True
     tried = search.undominated([row("A")], [row(k) for k in "BCDE"])

@@ -555,13 +555,14 @@ class _Search:
         candidate's own row may fit where none of them did (on an H100, efficientnet_v2_s at
         1.0x answered with the model as it is beside its ``autocast(bf16)`` row, which read 47%
         less memory in 10% less time). Where no plan verified meets the time limit, the answer
-        is the model as it is (:func:`_answer`), and the rows are read against it. Other answers
-        outside the limits are not guarded. At most ``tries`` plans in all: each is a fresh
-        process and a timing in turns."""
+        is the model as it is (:func:`_answer`), and the rows are read against it, fresh too.
+        Other answers outside the limits are not guarded. At most ``tries`` plans in all: each is
+        a fresh process and a timing in turns."""
         least_within = self.max_t is not None and (self.target is None or self.by_memory)
+        asked: set[str] = set()
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
-            seen = {str(r.plan) for r in tried}
+            seen = {str(r.plan) for r in tried} | asked
             known = [r for r in measured
                      if r.profile is not None and str(r.plan) not in seen and self.metric(r) is not None]
             if self.fits(best):
@@ -578,6 +579,10 @@ class _Search:
             if not better:
                 break
             row = self.measure_chosen(min(better, key=self.metric).plan)
+            asked.add(str(row.plan))
+            if faster is None and not self.holds(best) and \
+                    (row.profile is None or self.metric(row) > (1 - SAME_MEMORY) * mem):
+                continue  # read fresh, no less than the model as it is: the answer there, not among the rows
             row.role, row.round = "chosen", 1 + max([r.round or 0 for r in tried])
             tried = tried + [row]
         return tried
