@@ -192,7 +192,7 @@ def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str
         return final, []
     found = (f"{(search.metric(final) or 0) / 2**20:.1f} MiB at "
              f"{final.profile.step_ms if final.profile else 0:.1f} ms, with plan: {final.plan}")
-    if not search.holds(final) and (search.target is None or search.by_memory):
+    if not search.holds(final) and search.least_memory:
         return base, ["no plan found within the step-time limit; the answer is the empty plan (the model as it "
                       "is)" + (f"; the smallest memory verified is {found}" if len(final.plan) else "")]
     if search.holds(final) and not search.by_memory:
@@ -401,7 +401,7 @@ def _eager_won(search: _Search, tried: list[Row], final: Row) -> str:
             return f"more memory ({mem / 2**20:.1f} MiB; not timed in turns)"
         if not search.fits_time(r):
             return f"over the step-time limit ({r.profile.step_ms:.1f} ms)"
-        if final.profile is None or (search.target is not None and not search.by_memory) or \
+        if final.profile is None or not search.least_memory or \
                 mem <= (1 + SAME_MEMORY) * search.metric(final):
             return f"slower ({r.profile.step_ms:.1f} ms)"
         return f"more memory ({mem / 2**20:.1f} MiB)"

@@ -270,6 +270,13 @@ class _Search:
             return within_slowdown(*timings, self.max_slowdown, self.tolerance)
         return row.profile is not None and row.profile.step_ms <= self.max_t * (1 + self.tolerance)
 
+    @property
+    def least_memory(self) -> bool:
+        """Whether the answer is the least memory within the time limit (no budget, or
+        ``maximize="batch"``, whose batch size meets the budget later); else it is the fastest
+        plan within the budget."""
+        return self.target is None or self.by_memory
+
     def fits(self, row: Row) -> bool:
         return row.profile is not None and (self.target is None or self.metric(row) <= self.target) and self.fits_time(row)
 
@@ -279,7 +286,7 @@ class _Search:
         is no budget, or with ``maximize="batch"``, whose batch size meets the budget later."""
         if row.profile is None:
             return False
-        if self.target is None or self.by_memory:
+        if self.least_memory:
             return self.fits_time(row)
         return self.metric(row) <= self.target
 
@@ -311,7 +318,7 @@ class _Search:
         that reads more than :data:`SAME_MEMORY` less. Its timing in turns then decides nothing
         (a compiled plan's is a second compilation, from the caches, and rounds of the eager
         baseline beside it)."""
-        if self.target is not None and not self.by_memory:
+        if not self.least_memory:
             return False
         mem = self.metric(row)
         return any(self.fits(r) and (1 + SAME_MEMORY) * self.metric(r) < mem for r in beside)
@@ -476,7 +483,7 @@ class _Search:
             if not nxt:
                 break
             chosen += nxt
-        if tried and self.target is not None and not self.by_memory and self.fits(tried[-1]):
+        if tried and not self.least_memory and self.fits(tried[-1]):
             tried += self._pruned(chosen, in_base, tried[-1], rounds)
         finer = _finer(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen, self.model)
         plan = _plan([e.candidate for e in finer], self.model) if finer else None
@@ -558,7 +565,7 @@ class _Search:
         is the model as it is (:func:`_answer`), and the rows are read against it, fresh too.
         Other answers outside the limits are not guarded. At most ``tries`` plans in all: each is
         a fresh process and a timing in turns."""
-        least_within = self.max_t is not None and (self.target is None or self.by_memory)
+        least_within = self.max_t is not None and self.least_memory
         asked: set[str] = set()
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
@@ -655,7 +662,7 @@ class _Search:
         within the budget; else the smallest. :func:`_answer` answers a time limit that no plan
         met, without a budget, with the model as it is."""
         ok = [r for r in tried if self.fits(r)] or [r for r in tried if self.holds(r)]
-        if ok and self.target is not None and not self.by_memory:
+        if ok and not self.least_memory:
             return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
         if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
             least = min(self.metric(r) for r in ok)
