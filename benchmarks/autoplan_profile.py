@@ -2,15 +2,16 @@
 
     python benchmarks/autoplan_profile.py --model bert [--slowdown 1.0] [--compile] [--check-baseline] [--no-profile]
 
-A diagnosis, not a benchmark: prints autoplan's notes (its own time among them), then the functions with
-the most cumulative time (building models, measuring iterations, emptying caches, subprocesses).
+A diagnosis, not a benchmark: prints each stage as it starts (seconds since the call began), autoplan's
+notes (its own time among them), then the functions with the most cumulative time (building models,
+measuring iterations, emptying caches, subprocesses). ``--model`` is a bench model or one of the zoo's
+torchvision classifiers (``zoo.py``, at its batch).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import pstats
 import sys
 import time
@@ -20,13 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, _load, build  # noqa: E402
+from run import MODELS  # noqa: E402
 from shrinkwrap.compare import measure_plans  # noqa: E402
+from zoo import ZOO, setup  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--model", required=True, choices=sorted({*MODELS, *ZOO}))
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
@@ -38,13 +40,17 @@ def main() -> None:
     parser.add_argument("--check-baseline", action="store_true",
                         help="after autoplan, the baseline again in a fresh process, beside autoplan's")
     args = parser.parse_args()
-    _, batch = _load(args.model, MODELS[args.model][1])
+    make, batch, _ = setup(args.model)
     profiler = cProfile.Profile()
     started = time.perf_counter()
+
+    def progress(i: int, n: int, text: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {i}/{n} {text}", flush=True)
+
     if not args.no_profile:
         profiler.enable()
-    plan, report = sw.autoplan(functools.partial(build, args.model), batch, max_slowdown=args.slowdown,
-                               allow_lossy=True, device="cuda", compile=args.compile)
+    plan, report = sw.autoplan(make, batch, max_slowdown=args.slowdown, allow_lossy=True, device="cuda",
+                               compile=args.compile, progress=progress)
     profiler.disable()
     print(f"{args.model}: {plan} in {time.perf_counter() - started:.1f} s")
     print("\n".join(report.notes))
@@ -56,7 +62,7 @@ def main() -> None:
     if not args.no_profile:
         pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
     if args.check_baseline:  # is a first row in this process what a fresh process sees?
-        fresh = measure_plans(functools.partial(build, args.model), [sw.Plan()], batch, isolate=True,
+        fresh = measure_plans(make, [sw.Plan()], batch, isolate=True,
                               options=sw.Options(device="cuda")).rows[0]
         for where, row in (("autoplan's", report.rows[0]), ("fresh process", fresh)):
             print(f"baseline, {where}: {report.value(row) / 2**20:.1f} MiB, {row.profile.step_ms:.1f} ms")

@@ -618,8 +618,9 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
     them all is over the limit."""
     import sys
 
-    from shrinkwrap.autoplan.stages import MAX_ROUNDS, _Search
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.measure import step as measure_step
+    from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided
     from shrinkwrap.report import Row
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
@@ -639,7 +640,7 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
     baseline, timed = search.ratios[str(plan)]
     assert 5 < len(timed.rounds_ms) < MAX_ROUNDS
     assert sorted(timed.rounds_ms[:5]) == [9.0, 9.0, 9.0, 12.0, 12.0] and set(baseline.rounds_ms) == {10.0}
-    assert ap.slowdown_decided(baseline, timed, 1.0)
+    assert slowdown_decided(baseline, timed, 1.0)
     assert not search.fits_time(Row(plan, None))
     rows.close()
 
@@ -663,15 +664,15 @@ def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():
 def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
     import sys
 
-    ap = sys.modules["shrinkwrap.autoplan.stages"]
+    ratios = sys.modules["shrinkwrap.measure.ratios"]
     calls = []
-    real = ap.time_interleaved
+    real = ratios.time_interleaved
 
     def spy(models, *args, **kwargs):
         calls.append(sorted(models))
         return real(models, *args, **kwargs)
 
-    monkeypatch.setattr(ap, "time_interleaved", spy)
+    monkeypatch.setattr(ratios, "time_interleaved", spy)
     plan, report = sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=100.0, **FAST)
     assert calls and all(c == ["baseline", "plan"] for c in calls)
     assert any("timed in turns with it" in n and "within the limit of 100.0x" in n for n in report.notes)
@@ -800,6 +801,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     import types
 
     from shrinkwrap.autoplan.choose import Effect
+    from shrinkwrap.autoplan.compiled import _measured_there
     from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
@@ -807,8 +809,15 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     by_cover = {c.covers: c for c in candidates(model, device="cpu")}
     rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})
     ahead, measured = [], []
-    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", lambda make, plans, batch, options, room: (
-        ahead.append(([str(p) for p in plans], room)) or (2, [None, "OutOfMemoryError: ..."])))
+    timings = (sw.Timing((10.0,) * 5), sw.Timing((6.0,) * 5))
+    there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings)  # what _measured_there returns
+
+    def fake_ahead(make, plans, batch, options, room, then):
+        ahead.append(([str(p) for p in plans], room, then))
+        # The first plan measured there; the second not (its turn never came); the third failed there.
+        return 2, [there, None, "OutOfMemoryError: ..."] + [None] * (len(plans) - 3)
+
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", fake_ahead)
 
     class Search(_Search):
         def measure_chosen(self, plan, isolate=True, beside=()):
@@ -822,15 +831,30 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True)
     search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
-    search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
-    ((texts, room),) = ahead
-    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} and len(texts) == 4
-    # Each measured beside the verified rows and the compiled rows before it (see _Search.outdone).
-    assert besides == list(range(len(rows), len(rows) + len(measured)))
+    out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
+    ((texts, room, then),) = ahead
+    # The plan measured there is a fresh process's row, with its timings in turns, and this
+    # process measures the others itself (compiling them from the on-disk caches).
+    (row,) = [r for r in out if str(r.plan) == texts[0]]
+    assert row.profile.peak == 1234 and row.role == "compiled" and search.ratios[texts[0]] == timings
+    assert cache[texts[0], True].profile.peak == 1234 and texts[0] not in measured
+    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} | {texts[0]} and len(texts) == 4
+    # Those measured here, each beside the verified rows and the compiled rows before it (see _Search.outdone).
+    assert besides == [len(rows) + i for i, r in enumerate(out) if str(r.plan) != texts[0]]
     # Among them the one-line recipe: every block a region of its own, compiled.
     assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
-    assert room == 4000 and (search.ahead.plans, search.ahead.at_once) == (4, 2)
+    assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 2, 1)
     assert search.ahead.errors == ["OutOfMemoryError: ..."]  # what failed there, for the notes
+    # What each process does once all have compiled: its row, and its time in turns against the limit.
+    assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
+    # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph
+    # pools would count in the row).
+    ahead.clear()
+    cache.clear()
+    cache["", True] = base
+    search.ahead = None
+    search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile(mode='reduce-overhead')"))
+    assert ahead[0][2] is None
     # Not where nothing is kept on disk (another backend), where kernels are tuned as the graph
     # compiles (beside other processes, the choice would be kept), or without CUDA.
     for step, cuda in [("compile(backend='aot_eager_decomp_partition')", True), ("compile(mode='max-autotune')", True),
@@ -1701,3 +1725,16 @@ def test_a_base_step_is_not_measured_together_with_a_candidate_that_cannot_share
     assert any(str(steps[0]) in str(r.plan) and len(r.plan) > 1 for r in report.rows)  # rows on top of the base
     assert not any(str(steps[0]) in str(r.plan) and str(steps[1]) in str(r.plan) for r in report.rows)
     assert not any(str(steps[1]) in c for c in calls[1])  # stage 3 searched without it
+
+
+def test_a_compiled_plan_measured_where_it_compiled_has_its_row_and_its_time_in_turns():
+    from shrinkwrap.autoplan.compiled import _measured_there
+    from shrinkwrap.measure.ratios import MAX_ROUNDS
+
+    options = sw.Options(device="cpu", warmup=2, iterations=1)
+    plan = sw.Plan.parse("checkpoint('1'), compile(backend='aot_eager')")
+    profile, matched, skipped, (baseline, timed) = _measured_there(mlp, plan, BATCH, options, (1.0, 0.03))
+    assert profile.step_ms > 0 and matched == ("",) and 5 <= len(timed.rounds_ms) == len(baseline.rounds_ms) <= MAX_ROUNDS
+    assert _measured_there(mlp, plan, BATCH, options, None)[3] is None  # no time limit: not timed
+    failed, *_, timings = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options, (1.0, 0.03))
+    assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None

@@ -4,6 +4,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -393,14 +394,15 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
 
 
 class _Recording:
-    """A loss that appends its process id to a file each time it runs (picklable: a spawned process gets it)."""
+    """A loss that appends its process id, float32 matmul precision and the time to a file each time it
+    runs (picklable: a spawned process gets it)."""
 
     def __init__(self, path) -> None:
         self.path = path
 
     def __call__(self, out):
         with open(self.path, "a") as f:
-            f.write(f"{os.getpid()} {torch.get_float32_matmul_precision()}\n")
+            f.write(f"{os.getpid()} {torch.get_float32_matmul_precision()} {time.time()}\n")
         return out.float().mean()
 
 
@@ -419,15 +421,58 @@ def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_si
         torch.set_float32_matmul_precision("highest")
     assert at_once == 3 and errors[:2] == [None, None] and "no_such_backend" in errors[2]
     lines = [line.split() for line in log.read_text().splitlines()]
-    pids = [pid for pid, _ in lines]
+    pids = [pid for pid, *_ in lines]
     # The warm-up and one more iteration, each plan that ran, in a process of its own.
     assert len(pids) == 4 and len(set(pids)) == 2 and str(os.getpid()) not in pids
-    assert {precision for _, precision in lines} == {"high"}
+    assert {precision for _, precision, _ in lines} == {"high"}
     # One plan alone, or one that cannot be sent to a process: nothing runs ahead (this process compiles it).
     log.unlink()
     assert compile_ahead(mlp, plans[:1], torch.randn(16, 32), options) == (0, [])
     assert compile_ahead(lambda: mlp(), plans, torch.randn(16, 32), options) == (0, [])
     assert not log.exists()
+
+
+def _measured(make, plan, batch, options):
+    """What a process ahead does once all have compiled, here: the time its turn began and ended."""
+    began = time.time()
+    time.sleep(0.5)
+    return os.getpid(), began, time.time(), str(plan)
+
+
+class _DiesSecond:
+    """A factory whose second caller (a process of its own) dies."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self):
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            os._exit(3)
+        return mlp()
+
+
+def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_have_compiled(tmp_path):
+    from shrinkwrap.processes import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    log = tmp_path / "steps"
+    options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
+    plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
+             sw.Plan.parse("compile(backend='no_such_backend')")]
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured)
+    assert at_once == 3 and [text for *_, text in out] == [str(p) for p in plans]  # the one that failed too
+    steps = [(int(pid), float(t)) for pid, _, t in (line.split() for line in log.read_text().splitlines())]
+    turns = sorted((began, ended) for _, began, ended, _ in out)
+    # Each in the process that compiled it, after every plan's first iterations, and no two at once.
+    assert {pid for pid, *_ in out} == {pid for pid, _ in steps} | {out[2][0]} and len({pid for pid, *_ in out}) == 3
+    assert max(t for _, t in steps) < turns[0][0]
+    assert all(ended <= began for (_, ended), (began, _) in zip(turns, turns[1:]))
+    # One that dies: the other's turn never comes, and it ends with its first iterations' result.
+    at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured)
+    (died,) = [o for o in out if o is not None]
+    assert at_once == 2 and out.count(None) == 1 and "BrokenProcessPool" in died
 
 
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():

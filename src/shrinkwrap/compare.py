@@ -75,6 +75,13 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
         _clean(device)
 
 
+def _as_row(plan: Plan, result: Profile | tuple[str, str], matched: tuple, skipped: tuple, role: str) -> Row:
+    """What :func:`_row` returned, as a report's row."""
+    if isinstance(result, tuple):
+        return Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role)
+    return Row(plan, result, matched, skipped, role=role)
+
+
 def _warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> None:
     """Run ``plan``'s first iterations once, untimed, in this process: the first row measured in a
     process otherwise pays what the process does once (thread pools, allocations, lazy imports):
@@ -168,10 +175,7 @@ def measure_plans(
                     result, matched, skipped = _row(*args)
             else:
                 result, matched, skipped = _row(*args)
-            if isinstance(result, tuple):
-                rows.append(Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role))
-            else:
-                rows.append(Row(plan, result, matched, skipped, role=role))
+            rows.append(_as_row(plan, result, matched, skipped, role))
     for row in rows:
         if device.type == "cuda" and row.profile is not None and (fit or (fit is None and row.profile.cuda_graphs)):
             if progress:

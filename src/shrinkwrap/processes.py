@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -206,6 +207,36 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
         _clean(device)
 
 
+_TURNS: tuple | None = None  # in a process ahead: the barrier all wait at, and the lock each measures under
+TURN_WAIT = 1800.0  # seconds a process ahead waits for the others, or for its turn, before it ends without one
+
+
+def _take_turns(turns: tuple | None) -> None:
+    global _TURNS
+    _TURNS = turns
+
+
+def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, settings: dict,
+           then: Callable | None) -> Any:
+    """A process ahead's work (:func:`compile_ahead`): the plan's first iterations, then, with
+    ``then``, once every process has run its own, ``then``'s result, one process at a time; or
+    the first iterations' error or None, where the turn never came."""
+    error = _first_steps(make, plan, batch, options, settings)
+    if then is None or _TURNS is None:
+        return error
+    barrier, lock = _TURNS
+    try:
+        barrier.wait(TURN_WAIT)  # every plan compiled: no compiler competes with the GPU's timings
+    except threading.BrokenBarrierError:
+        return error
+    if not lock.acquire(timeout=TURN_WAIT):  # one that held it died holding it
+        return error
+    try:
+        return then(make, plan, batch, options)
+    finally:
+        lock.release()
+
+
 def _unsendable(args: tuple) -> str | None:
     """Why ``args`` cannot be sent to a spawned process (pickled), or None."""
     try:
@@ -216,12 +247,19 @@ def _unsendable(args: tuple) -> str | None:
 
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
-                  room: int | None = None) -> tuple[int, list[str | None]]:
+                  room: int | None = None, then: Callable | None = None) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
     what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
     AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
     processes ran at once, and each plan's error or None; ``(0, [])`` where fewer than two would
     (one process ahead of this one only adds its start) or the plans cannot be sent to a process.
+
+    ``then``: what each process does next, once every plan has compiled (nothing compiles beside
+    it), one process at a time: ``then(make, plan, batch, options)``, a module-level function
+    whose result takes the error's place (a plan that failed to compile gets it too: its row says
+    what failed). Only where every plan's process runs at once (a process waiting for its turn
+    holds the GPU memory it compiled with); else, and for a process whose turn never came (one
+    beside it died), the plan's entry is its error or None, as without ``then``.
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
@@ -254,17 +292,22 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         settings = compile_settings()
     except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
         return 0, []
-    if _unsendable((make, list(plans), batch, options, settings)):
+    if at_once < len(plans):
+        then = None
+    if _unsendable((make, list(plans), batch, options, settings, then)):
         return 0, []
-    out: list[str | None] = [None] * len(plans)
+    context = multiprocessing.get_context("spawn")
+    turns = (context.Barrier(len(plans)), context.Lock()) if then is not None else None
+    out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
     try:
         while waiting or running:
             while waiting and len(running) < at_once:
                 i, plan = waiting.pop(0)
-                pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-                running[pool.submit(_first_steps, make, plan, batch, options, settings)] = (i, pool)
+                pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
+                                                              initargs=(turns,))
+                running[pool.submit(_ahead, make, plan, batch, options, settings, then)] = (i, pool)
             done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 i, pool = running.pop(future)
@@ -272,6 +315,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                     out[i] = future.result()
                 except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
                     out[i] = _said(exc)
+                    if turns is not None:
+                        turns[0].abort()  # the others' turns never come: they end without one
                 _end(_stop(pool), grace=10)  # gone, and its memory with it, before the next one starts
     except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
         for i, _ in waiting + list(running.values()):

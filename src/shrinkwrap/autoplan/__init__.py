@@ -30,13 +30,14 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
    Without a budget, a plan within the time limit is grown from its own measured time while
    rounds are left (a candidate's single row can overstate its cost).
 5. With ``compile``, the verified plan and the smallest set measured are measured again with
-   ``compile()`` as their last step, in this process, and the verified plan without its recompute
+   ``compile()`` as their last step, and the verified plan without its recompute
    steps with ``compile(memory_budget=0.6)``, where the compiler's partitioner chooses what to
    recompute, and the one-line recipe (every block a region, compiled); the best of every plan
    measured wins, and where an eager plan does, a note says why. Four compilations or so, not
    one per candidate: compiled, every plan runs faster than eager, so the smallest set usually
-   fits a step-time limit that it missed eager. With inductor the plans are first compiled side by side in fresh
-   processes, whose work this process then takes from the compiler's on-disk caches.
+   fits a step-time limit that it missed eager. With inductor on CUDA the plans compile side by
+   side in fresh processes; once all have compiled, each is measured and timed in turns in its
+   own, one at a time. Otherwise they are measured in this process.
 """
 
 from __future__ import annotations
@@ -326,13 +327,17 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                  f"candidates (in {'subprocesses' if isolate_candidates and cuda else 'this process'}"
                  f"{f'; {len(search.unmeasured)} more left unmeasured' if search.unmeasured else ''}), "
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
-                 "fits there again in a fresh process on CUDA, compiled ones in this process only; each timed in "
+                 "fits there again in a fresh process on CUDA, compiled ones where they compiled; each timed in "
                  "turns with the baseline)")
     if search.ahead:
         ahead = search.ahead
+        rest = ahead.plans - ahead.measured
         notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
-                     f"at once, into the compiler's on-disk caches; this process then compiled {ahead.hits} graph(s) "
-                     f"from them and {ahead.misses} anew"
+                     f"at once, "
+                     + (f"{ahead.measured} then measured there, one at a time" if ahead.measured else "")
+                     + ("; " if ahead.measured and rest else "")
+                     + (f"{rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
+                        f"on-disk caches and {ahead.misses} anew" if rest else "")
                      + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
     report.rows = _last_of_each(report.rows + tried)
     notes.append("frontier (no other row measured reads less memory in less time): " + "; ".join(

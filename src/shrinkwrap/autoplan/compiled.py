@@ -1,14 +1,20 @@
 """The compile stage's pieces: the compile step read from autoplan's argument, a plan's form
 under the partitioner's memory budget (with a recomputed stem in its fast form), and plans
-compiled ahead in processes side by side."""
+compiled ahead in processes side by side, each then measured there."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
+import torch
 import torch.nn as nn
 
+from ..compare import _row
+from ..measure.ratios import timed_against
+from ..measure.step import Options, Timing
 from ..plan import Plan
+from ..processes import _build
 from ..select import _inside, innermost_blocks, pattern_for
 from ..step import Step
 from ..transforms.checkpoint import Checkpoint
@@ -88,15 +94,34 @@ def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
 
 @dataclasses.dataclass
 class _Ahead:
-    """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`), and what this
-    process then compiled from the caches (AOTAutograd's, one per graph)."""
+    """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`): how many, how
+    many at once, in how long, what failed there, how many were measured there, and what this
+    process then compiled from the caches (AOTAutograd's, one per graph) for the others."""
 
     plans: int
     at_once: int
     seconds: float
     errors: list[str]
+    measured: int = 0
     hits: int = 0
     misses: int = 0
+
+
+def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
+                    limit: tuple[float, float] | None) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None]:
+    """In a process ahead, once every plan has compiled, one process at a time
+    (:func:`~shrinkwrap.processes.compile_ahead`'s ``then``): ``plan``'s row as a fresh process
+    measures it (:func:`~shrinkwrap.compare._row`: profile or failure, matched, skipped), and with
+    ``limit`` (the slowdown and its tolerance) the plan timed in turns with the baseline there.
+    The plan's graphs compiled there already, so neither compiles it again; measured in the
+    autoplan process instead, each plan compiled a second time from the on-disk caches: on an
+    H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t @64, 135 s of that call's 430."""
+    result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
+    timings = None
+    if limit is not None and not isinstance(result, tuple):
+        device = torch.device(options.device)
+        timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options, *limit)
+    return result, matched, skipped, timings
 
 
 def _cache_counts() -> tuple[int, int]:

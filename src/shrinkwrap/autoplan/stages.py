@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -15,8 +16,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ..compare import Progress, measure_plans
-from ..measure.ratios import ratio_interval, slowdown_decided, within_slowdown
+from ..compare import Progress, _as_row, measure_plans
+from ..measure.ratios import ratio_interval, timed_against, within_slowdown
 from ..measure.step import Options, forward_times, resolve_device, time_interleaved
 from ..plan import Plan
 from ..processes import FreshProcesses, _build, _Copies, compile_ahead
@@ -25,12 +26,11 @@ from ..select import innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
 from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
-from .compiled import _budgeted, _every_block, _Ahead, _cache_counts
+from .compiled import _budgeted, _every_block, _Ahead, _cache_counts, _measured_there
 
 SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
 BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
 # and this much of the time limit is added to the room regions are left unmeasured against (on_top)
-MAX_ROUNDS = 15  # or after this many rounds in turns, by the median
 
 
 class _Rows:
@@ -295,12 +295,8 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
-        models = {"baseline": self.rows.model(Plan()), "plan": self.rows.model(plan)}
-        timings = time_interleaved(
-            models, self.rows.batch, self.rows.options_for(plan), rounds=5, per_round=self.rows.options.iterations,
-            until=lambda t: slowdown_decided(t["baseline"], t["plan"], self.max_slowdown, self.tolerance),
-            max_rounds=MAX_ROUNDS)
-        self.ratios[str(plan)] = (timings["baseline"], timings["plan"])
+        self.ratios[str(plan)] = timed_against(self.rows.model(Plan()), self.rows.model(plan), self.rows.batch,
+                                               self.rows.options_for(plan), self.max_slowdown, self.tolerance)
 
     def measure_chosen(self, plan: Plan, isolate: bool = True, beside: list[Row] = ()) -> Row:
         """A plan autoplan may answer with: measured in a fresh process (on CUDA, unless ``isolate``
@@ -599,14 +595,15 @@ class _Search:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
         each with ``step`` (a plan of one compile step) last, the verified plan's budgeted form
         (:func:`_budgeted`), and the smallest set's where it keeps a region, and the verified
-        plan with every block checkpointed instead of its regions (:func:`_every_block`), measured as the verified plans are
-        (:meth:`measure_chosen`) but in this process: the timing in turns compiles the plan here
-        anyway, and a fresh process would compile it a second time (on an H100 that was most of
-        autoplan's time: 114 of 149 s on resnet18). Without a budget (or with ``maximize="batch"``),
-        one that reads more memory than a plan already within the limits is not timed in turns
-        (:meth:`outdone`). With
-        inductor they are compiled ahead, side by side (:meth:`compile_ahead`). A plan that fails
-        to compile is a row with its error."""
+        plan with every block checkpointed instead of its regions (:func:`_every_block`). With
+        inductor on CUDA they compile side by side in fresh processes, and each is measured and
+        timed in turns in its own (:meth:`compile_ahead`). Otherwise each is measured as the
+        verified plans are (:meth:`measure_chosen`) but in this process: the timing in turns
+        compiles the plan here anyway, and a fresh process would compile it a second time (on an
+        H100 that was most of autoplan's time: 114 of 149 s on resnet18); without a budget (or
+        with ``maximize="batch"``) one that reads more memory than a plan already within the
+        limits is then not timed in turns (:meth:`outdone`). A plan that fails to compile is a
+        row with its error."""
         final = self.final(tried).plan
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
@@ -619,13 +616,20 @@ class _Search:
         every = _every_block(final, step, self.model)  # the one-line recipe, compiled
         plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
-        self.compile_ahead(plans, step.steps[0], progress)
+        there = self.compile_ahead(plans, step.steps[0], progress)
         before = _cache_counts() if self.ahead else None
         rows = []
         for i, plan in enumerate(plans):
             if progress:
                 progress(i, len(plans), f"compiled: {plan}")
-            row = self.measure_chosen(plan, isolate=False, beside=tried + rows)
+            if plan in there:
+                result, matched, skipped, timings = there[plan]
+                row = self.rows.cache[str(plan), True] = _as_row(plan, result, matched, skipped, "compiled")
+                if timings is not None:
+                    self.ratios[str(plan)] = timings
+                row = dataclasses.replace(row)
+            else:
+                row = self.measure_chosen(plan, isolate=False, beside=tried + rows)
             row.role = "compiled"
             rows.append(row)
         if before is not None:
@@ -634,27 +638,39 @@ class _Search:
             progress(len(plans), len(plans), "compiled plans measured")
         return rows
 
-    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> None:
-        """Compile ``plans`` (those not measured in this process yet) in processes side by side
-        first (:func:`~shrinkwrap.processes.compile_ahead`), as many at once as the GPU's free memory
-        holds at the baseline's peak each, so that this process compiles each from the on-disk
-        caches: on CUDA, with inductor (the backend whose work is kept on disk), unless ``step``'s
-        mode tunes kernels as it compiles (``max-autotune``: chosen beside other processes, the
-        choice would be kept in the cached graph). On an H100, resnet152's plans took 97-119 s
-        each to compile cold and 6-8 s from the caches."""
+    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> dict[Plan, tuple]:
+        """Compile ``plans`` (those not measured yet) in processes side by side first
+        (:func:`~shrinkwrap.processes.compile_ahead`), as many at once as the GPU's free memory
+        holds at the baseline's peak each: on CUDA, with inductor (the backend whose work is kept
+        on disk), unless ``step``'s mode tunes kernels as it compiles (``max-autotune``: chosen
+        beside other processes, the choice would be kept in the cached graph). On an H100,
+        resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches.
+
+        Where every plan's process runs at once, each is then measured there, one process at a
+        time once all have compiled (:func:`_measured_there`): returns those plans' rows and
+        timings in turns. The others this process compiles from the on-disk caches."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
-            return
-        plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
+            return {}
+        plans = [p for p in plans if (str(p), False) not in self.rows.cache and (str(p), True) not in self.rows.cache]
         if len(plans) < 2:
-            return
+            return {}
         if progress:
             progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
         started = time.perf_counter()
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
-        at_once, errors = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room)
-        if at_once:
-            self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, [e for e in errors if e])
+        limit = None if self.max_t is None else (self.max_slowdown, self.tolerance)
+        # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
+        # process, and a row measured there after them would read it.
+        then = None if step.mode == "reduce-overhead" else functools.partial(_measured_there, limit=limit)
+        at_once, out = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room,
+                                     then=then)
+        if not at_once:
+            return {}
+        there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
+        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started,
+                            [e for e in out if isinstance(e, str)], len(there))
+        return there
 
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
-from .step import Timing
+import torch.nn as nn
 
+from .step import Options, Timing, time_interleaved
+
+MAX_ROUNDS = 15  # rounds in turns at most (see timed_against); undecided after them, by the median
 CONFIDENCE = 0.8  # a step-time limit is decided once the ratio's interval of this confidence is on one side,
 
 
@@ -84,3 +88,14 @@ def slowdown_decided(baseline: Timing, plan: Timing, max_slowdown: float, tolera
     _, low, high = ratio_interval(baseline, plan)
     limit = max_slowdown * (1 + tolerance)
     return high <= limit or low > limit
+
+
+def timed_against(baseline: nn.Module, plan: nn.Module, batch: Any, options: Options, max_slowdown: float,
+                  tolerance: float = 0.03) -> tuple[Timing, Timing]:
+    """``baseline`` and ``plan`` (two models) timed in turns (:func:`time_interleaved`): five
+    rounds, then one at a time until they decide ``max_slowdown`` (:func:`slowdown_decided`),
+    :data:`MAX_ROUNDS` at most. The timings a step-time limit is decided on, baseline's first."""
+    timings = time_interleaved(
+        {"baseline": baseline, "plan": plan}, batch, options, rounds=5, per_round=options.iterations,
+        until=lambda t: slowdown_decided(t["baseline"], t["plan"], max_slowdown, tolerance), max_rounds=MAX_ROUNDS)
+    return timings["baseline"], timings["plan"]
