@@ -811,11 +811,13 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     ahead, measured = [], []
     timings = (sw.Timing((10.0,) * 5), sw.Timing((6.0,) * 5))
     there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings)  # what _measured_there returns
+    failed = (("failed", "BackendCompilerFailed: ..."), (), (), None)
 
     def fake_ahead(make, plans, batch, options, room, then):
         ahead.append(([str(p) for p in plans], room, then))
-        # The first plan measured there; the second not (its turn never came); the third failed there.
-        return 2, [there, None, "OutOfMemoryError: ..."] + [None] * (len(plans) - 3)
+        # The first plan measured there, the second failed there; the third's turn never came
+        # (a process died: its error), nor the fourth's.
+        return len(plans), [there, failed, "BrokenProcessPool: ...", None][:len(plans)]
 
     monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", fake_ahead)
 
@@ -837,14 +839,17 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     # process measures the others itself (compiling them from the on-disk caches).
     (row,) = [r for r in out if str(r.plan) == texts[0]]
     assert row.profile.peak == 1234 and row.role == "compiled" and search.ratios[texts[0]] == timings
-    assert cache[texts[0], True].profile.peak == 1234 and texts[0] not in measured
-    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} | {texts[0]} and len(texts) == 4
+    assert cache[texts[0], True].profile.peak == 1234
+    (bad,) = [r for r in out if str(r.plan) == texts[1]]
+    assert bad.status == "failed" and "BackendCompilerFailed" in bad.error and bad.role == "compiled"
+    assert set(texts) == set(measured) - {r"checkpoint('layer1'), compile()"} | set(texts[:2]) and len(texts) == 4
+    assert not set(texts[:2]) & set(measured)
     # Those measured here, each beside the verified rows and the compiled rows before it (see _Search.outdone).
-    assert besides == [len(rows) + i for i, r in enumerate(out) if str(r.plan) != texts[0]]
+    assert besides == [len(rows) + i for i, r in enumerate(out) if str(r.plan) not in texts[:2]]
     # Among them the one-line recipe: every block a region of its own, compiled.
     assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
-    assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 2, 1)
-    assert search.ahead.errors == ["OutOfMemoryError: ..."]  # what failed there, for the notes
+    assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 4, 2)
+    assert search.ahead.errors == ["BrokenProcessPool: ..."]  # what failed there, for the notes
     # What each process does once all have compiled: its row, and its time in turns against the limit.
     assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
     # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph
@@ -1738,3 +1743,21 @@ def test_a_compiled_plan_measured_where_it_compiled_has_its_row_and_its_time_in_
     assert _measured_there(mlp, plan, BATCH, options, None)[3] is None  # no time limit: not timed
     failed, *_, timings = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options, (1.0, 0.03))
     assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None
+
+
+def test_a_compiled_answer_measured_fresh_is_still_a_compiled_row():
+    import dataclasses
+    import types
+
+    from shrinkwrap.autoplan.stages import _Search
+
+    rows, metric = _rows({"checkpoint('a')": (500.0, 6.0), "checkpoint('a'), compile()": (400.0, 4.0)})
+    rows[1].role = "compiled"
+
+    class Search(_Search):
+        def measure_chosen(self, plan, isolate=True, beside=()):
+            return dataclasses.replace(next(r for r in rows if r.plan == plan))
+
+    search = Search(types.SimpleNamespace(cuda=True), None, metric, 1000.0, 8.0, None, 8.0, False, False, 1.0)
+    fresh = search._fresh_answer(list(rows))
+    assert [(str(r.plan), r.role) for r in fresh] == [("checkpoint('a')", "chosen"), ("checkpoint('a'), compile()", "compiled")]

@@ -439,6 +439,20 @@ def _measured(make, plan, batch, options):
     return os.getpid(), began, time.time(), str(plan)
 
 
+class _DiesInTurn:
+    """``then`` of compile_ahead whose first caller dies during its turn (holding the lock)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self, make, plan, batch, options):
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return "measured"
+        os._exit(3)
+
+
 class _DiesSecond:
     """A factory whose second caller (a process of its own) dies."""
 
@@ -473,6 +487,11 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured)
     (died,) = [o for o in out if o is not None]
     assert at_once == 2 and out.count(None) == 1 and "BrokenProcessPool" in died
+    # One that dies in its turn, holding the lock: the other's turn never comes, and it ends too.
+    started = time.time()
+    at_once, out = compile_ahead(mlp, plans[:2], torch.randn(16, 32), options, then=_DiesInTurn(tmp_path / "turn"))
+    (died,) = [o for o in out if o is not None]
+    assert out.count(None) == 1 and "BrokenProcessPool" in died and time.time() - started < 120
 
 
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():

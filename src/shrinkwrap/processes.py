@@ -20,7 +20,6 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import sys
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -156,8 +155,11 @@ def _take_matmul_settings(settings: dict) -> None:
 def take_settings(settings: dict) -> None:
     """In a spawned process: take on ``settings`` (:func:`compile_settings`), each only where it
     differs from this process's own (see :func:`_take_matmul_settings`), and keep no kernel
-    tuning on disk: configurations tuned beside other processes on the GPU would be used by the
-    process that times the plan, which tunes them itself, alone."""
+    tuning on disk: configurations tuned beside other processes on the GPU would be used by a
+    process that compiles the plan from the caches and times it, which tunes them itself, alone.
+    A process ahead that measures its own plan (:func:`compile_ahead`'s ``then``) runs the
+    kernels it tuned as it compiled, beside the others' compilations (mostly CPU work): tuning
+    them again alone would mean compiling the plan again from the caches, the cost it saves."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -207,34 +209,53 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
         _clean(device)
 
 
-_TURNS: tuple | None = None  # in a process ahead: the barrier all wait at, and the lock each measures under
-TURN_WAIT = 1800.0  # seconds a process ahead waits for the others, or for its turn, before it ends without one
+_TURNS: _Turns | None = None  # in a process ahead, with compile_ahead's ``then``
+TURN_POLL = 0.2  # seconds between a waiting process's looks at the others
 
 
-def _take_turns(turns: tuple | None) -> None:
+@dataclasses.dataclass
+class _Turns:
+    """How the processes ahead take turns (:func:`compile_ahead`'s ``then``): a flag each sets
+    once its plan has compiled, one the parent sets when a process died, and the lock a turn
+    holds. Flags in shared memory, read by polling: a condition (``multiprocessing.Barrier``)
+    waits for every sleeper to wake, and one killed while waiting (the OOM killer) would hang
+    the others and the parent."""
+
+    compiled: Any  # multiprocessing RawArray of one byte a plan
+    broken: Any  # multiprocessing RawValue
+    lock: Any  # multiprocessing Lock
+
+    def wait(self, i: int) -> bool:
+        """Plan ``i`` compiled: wait until every plan has and this process holds the lock;
+        False (without the lock) where a process died first."""
+        self.compiled[i] = 1
+        while not all(self.compiled):
+            if self.broken.value:
+                return False
+            time.sleep(TURN_POLL)
+        while not self.lock.acquire(timeout=TURN_POLL):
+            if self.broken.value:  # one died, maybe holding the lock
+                return False
+        return True
+
+
+def _take_turns(turns: _Turns | None) -> None:
     global _TURNS
     _TURNS = turns
 
 
 def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, settings: dict,
-           then: Callable | None) -> Any:
-    """A process ahead's work (:func:`compile_ahead`): the plan's first iterations, then, with
+           then: Callable | None, i: int) -> Any:
+    """A process ahead's work (:func:`compile_ahead`): plan ``i``'s first iterations, then, with
     ``then``, once every process has run its own, ``then``'s result, one process at a time; or
     the first iterations' error or None, where the turn never came."""
     error = _first_steps(make, plan, batch, options, settings)
-    if then is None or _TURNS is None:
-        return error
-    barrier, lock = _TURNS
-    try:
-        barrier.wait(TURN_WAIT)  # every plan compiled: no compiler competes with the GPU's timings
-    except threading.BrokenBarrierError:
-        return error
-    if not lock.acquire(timeout=TURN_WAIT):  # one that held it died holding it
+    if then is None or _TURNS is None or not _TURNS.wait(i):
         return error
     try:
         return then(make, plan, batch, options)
     finally:
-        lock.release()
+        _TURNS.lock.release()
 
 
 def _unsendable(args: tuple) -> str | None:
@@ -259,14 +280,15 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     whose result takes the error's place (a plan that failed to compile gets it too: its row says
     what failed). Only where every plan's process runs at once (a process waiting for its turn
     holds the GPU memory it compiled with); else, and for a process whose turn never came (one
-    beside it died), the plan's entry is its error or None, as without ``then``.
+    beside it died, which ends the others' waiting), the plan's entry is its error or None, as
+    without ``then``.
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
     :data:`PROCESS_MARGIN`); on CUDA as many run at once as the free memory holds. ``None``: no
     limit. The processes take this process's settings that the caches key on
-    (:func:`compile_settings`); kernels' tuning is not kept from them. Nothing they run is timed,
-    and this process waits until every one has exited.
+    (:func:`compile_settings`); kernels' tuning is not kept from them. Without ``then`` nothing
+    they run is timed; this process waits until every one has exited.
 
     On an H100 (torch 2.11, 2026-11-26), resnet152 @64's
     first two iterations under ``autocast(bf16), compile()`` took 97.0 s cold and 6.4 s from the
@@ -297,7 +319,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     if _unsendable((make, list(plans), batch, options, settings, then)):
         return 0, []
     context = multiprocessing.get_context("spawn")
-    turns = (context.Barrier(len(plans)), context.Lock()) if then is not None else None
+    turns = None if then is None else _Turns(context.RawArray("b", len(plans)), context.RawValue("b", 0), context.Lock())
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
@@ -307,7 +329,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 i, plan = waiting.pop(0)
                 pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
                                                               initargs=(turns,))
-                running[pool.submit(_ahead, make, plan, batch, options, settings, then)] = (i, pool)
+                running[pool.submit(_ahead, make, plan, batch, options, settings, then, i)] = (i, pool)
             done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 i, pool = running.pop(future)
@@ -316,7 +338,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
                     out[i] = _said(exc)
                     if turns is not None:
-                        turns[0].abort()  # the others' turns never come: they end without one
+                        turns.broken.value = 1  # the others' turns never come: they end without one
                 _end(_stop(pool), grace=10)  # gone, and its memory with it, before the next one starts
     except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
         for i, _ in waiting + list(running.values()):

@@ -35,9 +35,10 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
    recompute, and the one-line recipe (every block a region, compiled); the best of every plan
    measured wins, and where an eager plan does, a note says why. Four compilations or so, not
    one per candidate: compiled, every plan runs faster than eager, so the smallest set usually
-   fits a step-time limit that it missed eager. With inductor on CUDA the plans compile side by
-   side in fresh processes; once all have compiled, each is measured and timed in turns in its
-   own, one at a time. Otherwise they are measured in this process.
+   fits a step-time limit that it missed eager. With inductor on CUDA (not ``max-autotune``) the
+   plans compile side by side in fresh processes; where all run at once and none runs CUDA graphs
+   (``reduce-overhead``), each is then measured and timed in turns in its own, one at a time once
+   all have compiled. Otherwise they are measured in this process.
 """
 
 from __future__ import annotations
@@ -333,10 +334,9 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         ahead = search.ahead
         rest = ahead.plans - ahead.measured
         notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
-                     f"at once, "
-                     + (f"{ahead.measured} then measured there, one at a time" if ahead.measured else "")
-                     + ("; " if ahead.measured and rest else "")
-                     + (f"{rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
+                     "at once"
+                     + (f", and measuring {ahead.measured} of them there, one at a time" if ahead.measured else "")
+                     + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
                         f"on-disk caches and {ahead.misses} anew" if rest else "")
                      + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
     report.rows = _last_of_each(report.rows + tried)

@@ -112,10 +112,13 @@ def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, optio
     """In a process ahead, once every plan has compiled, one process at a time
     (:func:`~shrinkwrap.processes.compile_ahead`'s ``then``): ``plan``'s row as a fresh process
     measures it (:func:`~shrinkwrap.compare._row`: profile or failure, matched, skipped), and with
-    ``limit`` (the slowdown and its tolerance) the plan timed in turns with the baseline there.
-    The plan's graphs compiled there already, so neither compiles it again; measured in the
-    autoplan process instead, each plan compiled a second time from the on-disk caches: on an
-    H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t @64, 135 s of that call's 430."""
+    ``limit`` (the slowdown and its tolerance) the plan timed in turns with the baseline there,
+    whatever its memory (a few seconds, against a compilation where the autoplan process times
+    it). The plan's graphs compiled there already: neither compiles them again (dynamo traces
+    the new model from the process's own caches), so the row's first iteration is a steady one,
+    not a compilation. Measured in the autoplan process instead, each plan compiled a second
+    time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t
+    @64, 135 s of that call's 430."""
     result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
     timings = None
     if limit is not None and not isinstance(result, tuple):

@@ -537,7 +537,7 @@ class _Search:
                 break
             done.add(str(best.plan))
             fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
-            fresh.role, fresh.round = "chosen", best.round
+            fresh.role, fresh.round = ("compiled" if best.role == "compiled" else "chosen"), best.round
             last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
             tried = [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
         return tried
@@ -596,8 +596,9 @@ class _Search:
         each with ``step`` (a plan of one compile step) last, the verified plan's budgeted form
         (:func:`_budgeted`), and the smallest set's where it keeps a region, and the verified
         plan with every block checkpointed instead of its regions (:func:`_every_block`). With
-        inductor on CUDA they compile side by side in fresh processes, and each is measured and
-        timed in turns in its own (:meth:`compile_ahead`). Otherwise each is measured as the
+        inductor on CUDA they compile side by side in fresh processes, and where all run at once
+        and the plans run no CUDA graphs, each is measured and timed in turns in its own
+        (:meth:`compile_ahead`). Otherwise each is measured as the
         verified plans are (:meth:`measure_chosen`) but in this process: the timing in turns
         compiles the plan here anyway, and a fresh process would compile it a second time (on an
         H100 that was most of autoplan's time: 114 of 149 s on resnet18); without a budget (or
@@ -651,7 +652,7 @@ class _Search:
         timings in turns. The others this process compiles from the on-disk caches."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
-        plans = [p for p in plans if (str(p), False) not in self.rows.cache and (str(p), True) not in self.rows.cache]
+        plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
         if len(plans) < 2:
             return {}
         if progress:
