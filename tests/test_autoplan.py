@@ -1,4 +1,5 @@
 import copy
+import time
 
 import pytest
 import torch
@@ -813,8 +814,11 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings)  # what _measured_there returns
     failed = (("failed", "BackendCompilerFailed: ..."), (), (), None)
 
-    def fake_ahead(make, plans, batch, options, room, then):
+    def fake_ahead(make, plans, batch, options, room, then, compiled):
         ahead.append(([str(p) for p in plans], room, then))
+        time.sleep(0.05)
+        compiled()  # every plan compiled: the processes measure next
+        time.sleep(0.05)
         # The first plan measured there, the second failed there; the third's turn never came
         # (a process died: its error), nor the fourth's.
         return len(plans), [there, failed, "BrokenProcessPool: ...", None][:len(plans)]
@@ -850,6 +854,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
     assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 4, 2)
     assert search.ahead.errors == ["BrokenProcessPool: ..."]  # what failed there, for the notes
+    assert 0.05 <= search.ahead.compiling < search.ahead.seconds - 0.04  # compiling, then measuring
     # What each process does once all have compiled: its row, and its time in turns against the limit.
     assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
     # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph

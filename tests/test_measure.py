@@ -475,7 +475,9 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
              sw.Plan.parse("compile(backend='no_such_backend')")]
-    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured)
+    seen: list[float] = []
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured,
+                                 compiled=lambda: seen.append(time.time()))
     assert at_once == 3 and [text for *_, text in out] == [str(p) for p in plans]  # the one that failed too
     steps = [(int(pid), float(t)) for pid, _, t in (line.split() for line in log.read_text().splitlines())]
     turns = sorted((began, ended) for _, began, ended, _ in out)
@@ -483,9 +485,12 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     assert {pid for pid, *_ in out} == {pid for pid, _ in steps} | {out[2][0]} and len({pid for pid, *_ in out}) == 3
     assert max(t for _, t in steps) < turns[0][0]
     assert all(ended <= began for (_, ended), (began, _) in zip(turns, turns[1:]))
+    assert len(seen) == 1 and max(t for _, t in steps) < seen[0]  # told once, after the last compiled
     # One that dies: the other's turn never comes, and it ends with its first iterations' result.
-    at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured)
+    at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured,
+                                 compiled=lambda: seen.append(time.time()))
     (died,) = [o for o in out if o is not None]
+    assert len(seen) == 1  # never all compiled
     assert at_once == 2 and out.count(None) == 1 and "BrokenProcessPool" in died
     # One that dies in its turn, holding the lock: the other's turn never comes, and it ends too.
     started = time.time()

@@ -268,7 +268,8 @@ def _unsendable(args: tuple) -> str | None:
 
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
-                  room: int | None = None, then: Callable | None = None) -> tuple[int, list[Any]]:
+                  room: int | None = None, then: Callable | None = None,
+                  compiled: Callable[[], None] | None = None) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
     what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
     AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
@@ -281,7 +282,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     what failed). Only where every plan's process runs at once (a process waiting for its turn
     holds the GPU memory it compiled with); else, and for a process whose turn never came (one
     beside it died, which ends the others' waiting), the plan's entry is its error or None, as
-    without ``then``.
+    without ``then``. ``compiled()`` is called here once, within :data:`TURN_POLL` seconds of
+    the last plan's compiling (where the time went: compiling, then measuring).
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
@@ -323,6 +325,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
+    watching = turns is not None and compiled is not None
     try:
         while waiting or running:
             while waiting and len(running) < at_once:
@@ -330,7 +333,11 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
                                                               initargs=(turns,))
                 running[pool.submit(_ahead, make, plan, batch, options, settings, then, i)] = (i, pool)
-            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            done, _ = concurrent.futures.wait(running, timeout=TURN_POLL if watching else None,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            if watching and all(turns.compiled):
+                watching = False
+                compiled()
             for future in done:
                 i, pool = running.pop(future)
                 try:

@@ -336,6 +336,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
                      "at once"
                      + (f", and measuring {ahead.measured} of them there, one at a time" if ahead.measured else "")
+                     + (f" (all compiled after {ahead.compiling:.1f} s)" if ahead.compiling is not None else "")
                      + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
                         f"on-disk caches and {ahead.misses} anew" if rest else "")
                      + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))

@@ -95,14 +95,16 @@ def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
 @dataclasses.dataclass
 class _Ahead:
     """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`): how many, how
-    many at once, in how long, what failed there, how many were measured there, and what this
-    process then compiled from the caches (AOTAutograd's, one per graph) for the others."""
+    many at once, in how long (and of that, until every plan had compiled, where they were then
+    measured there), what failed there, how many were measured there, and what this process then
+    compiled from the caches (AOTAutograd's, one per graph) for the others."""
 
     plans: int
     at_once: int
     seconds: float
     errors: list[str]
     measured: int = 0
+    compiling: float | None = None
     hits: int = 0
     misses: int = 0
 

@@ -664,13 +664,21 @@ class _Search:
         # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
         # process, and a row measured there after them would read it.
         then = None if step.mode == "reduce-overhead" else functools.partial(_measured_there, limit=limit)
+        compiling: list[float] = []
+
+        def compiled() -> None:
+            compiling.append(time.perf_counter() - started)
+            if progress:
+                progress(0, len(plans), f"{len(plans)} plans compiled in {compiling[0]:.1f} s; measuring each where "
+                                        "it compiled, one at a time")
+
         at_once, out = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room,
-                                     then=then)
+                                     then=then, compiled=compiled)
         if not at_once:
             return {}
         there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
         self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started,
-                            [e for e in out if isinstance(e, str)], len(there))
+                            [e for e in out if isinstance(e, str)], len(there), *compiling[:1])
         return there
 
     def final(self, tried: list[Row]) -> Row:
