@@ -361,31 +361,40 @@ def zoo_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def latest_runs(rows: list[dict]) -> list[dict]:
+def latest_runs(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each model's rows of its latest run, so that an error row of an earlier run cannot hide a
     later result: a run's rows lie together in the file (zoo.py appends a model's rows at once)
-    and name their run (``run``). A run the deadline cut short (``cut``: not started, or stopped
-    by the run's deadline) does not replace an earlier run of the model."""
+    and name their run (``run``). A run that ended without rows (one error for the model: it
+    timed out, or the run's deadline stopped it, ``cut``) does not replace an earlier run that
+    has rows, nor does a cut run replace an earlier error; the latest such run of each model comes
+    second (what it had answered, and in how many seconds), unless the deadline left it unstarted."""
     groups: list[list[dict]] = []
     for i, r in enumerate(rows):
         if i == 0 or (rows[i - 1]["model"], rows[i - 1].get("run")) != (r["model"], r.get("run")):
             groups.append([])
         groups[-1].append(r)
     runs: "OrderedDict[str, list[dict]]" = OrderedDict()
+    aside: dict[str, dict] = {}
+
+    def ended(group: list[dict]) -> bool:
+        return all(r["config"] == "all" for r in group)
+
     for group in groups:
         model = group[0]["model"]
-        if model in runs and all(r.get("cut") for r in group):
+        if model in runs and ended(group) and (all(r.get("cut") for r in group) or not ended(runs[model])):
+            aside.update((model, r) for r in group if not r["error"].startswith("not started"))
             continue
         runs.pop(model, None)
+        aside.pop(model, None)
         runs[model] = group
-    return [r for group in runs.values() for r in group]
+    return [r for group in runs.values() for r in group], list(aside.values())
 
 
 def zoo_section() -> list[str]:
     rows = load("zoo.json")
     if not rows:
         return []
-    latest_run = latest_runs(rows)
+    latest_run, aside = latest_runs(rows)
     out = ["## autoplan on models it was not tuned on", "",
            "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench models "
            "at their benchmark batch (efficientnet_b0: 128), each in a process of its own, one a GPU; autoplan "
@@ -396,6 +405,9 @@ def zoo_section() -> list[str]:
            "autoplan calls share one cache, in the order 1.0x, 1.5x, compile=True: the later calls' seconds leave "
            "out the candidates the first one measured.", ""]
     out += zoo_lines(latest_run)
+    if aside:
+        out += ["Later runs that ended without rows (the table keeps the model's earlier run): " + "; ".join(
+            f"{r['model']} ({r['run'][:10]}): {r['error']}" for r in aside) + ".", ""]
     return out + [f"Runs: {stamp([r for r in latest_run if 'gpu' in r])}.", ""]
 
 

@@ -41,9 +41,18 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-2]
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
-    assert latest_runs(rows + again) == rows[:-1] + again
-    # A run the deadline cut short does not: the model's earlier figures stand.
+    assert latest_runs(rows + again) == (rows[:-1] + again, [])
+    # A run that ended without rows does not (the deadline cut it, or it timed out): the model's
+    # earlier figures stand, and the latest such run comes second, but one the deadline never started.
     cut = [{"model": "broken", "config": "all", "error": "stopped at the run's deadline after 50 s", "run": "last",
             "cut": True}]
-    assert latest_runs(rows + again + cut) == rows[:-1] + again
-    assert latest_runs(rows[-1:] + cut) == rows[-1:]
+    late = [{"model": "broken", "config": "all", "error": "timed out after 900 s; it had answered ...", "run": "before last"}]
+    unstarted = [{"model": "broken", "config": "all", "error": "not started: the run's deadline passed", "run": "last",
+                  "cut": True}]
+    assert latest_runs(rows + again + cut) == (rows[:-1] + again, cut)
+    assert latest_runs(rows + again + late + unstarted) == (rows[:-1] + again, late)
+    assert latest_runs(rows + again + late + cut) == (rows[:-1] + again, cut)  # the latest such run
+    assert latest_runs(rows + cut + again) == (rows[:-1] + again, [])  # one before the run kept: not listed
+    assert latest_runs(rows[-1:] + cut) == (rows[-1:], cut)
+    # An error run after an error run is the model's latest: nothing earlier has rows.
+    assert latest_runs(rows[-1:] + late) == (late, [])
