@@ -802,6 +802,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     import types
 
     from shrinkwrap.autoplan.choose import Effect
+    from shrinkwrap.autoplan import _ahead_note
     from shrinkwrap.autoplan.compiled import _measured_there
     from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
@@ -811,13 +812,13 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})
     ahead, measured = [], []
     timings = (sw.Timing((10.0,) * 5), sw.Timing((6.0,) * 5))
-    there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings)  # what _measured_there returns
-    failed = (("failed", "BackendCompilerFailed: ..."), (), (), None)
+    there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings, (2.0, 3.0))  # _measured_there's
+    failed = (("failed", "BackendCompilerFailed: ..."), (), (), None, (9.0, 0.0))
 
     def fake_ahead(make, plans, batch, options, room, then, compiled):
         ahead.append(([str(p) for p in plans], room, then))
         time.sleep(0.05)
-        compiled()  # every plan compiled: the processes measure next
+        compiled([50.0, 60.0, 70.0, 80.0][:len(plans)])  # every plan compiled: the processes measure next
         time.sleep(0.05)
         # The first plan measured there, the second failed there; the third's turn never came
         # (a process died: its error), nor the fourth's.
@@ -855,6 +856,11 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 4, 2)
     assert search.ahead.errors == ["BrokenProcessPool: ..."]  # what failed there, for the notes
     assert 0.05 <= search.ahead.compiling < search.ahead.seconds - 0.04  # compiling, then measuring
+    assert search.ahead.first == [50.0, 60.0, 70.0, 80.0] and search.ahead.turns == [(2.0, 3.0), (9.0, 0.0)]
+    note = _ahead_note(search.ahead)  # where the stage's time went
+    assert "4 processes at once (the last compiled after " in note and "first iterations took 50.0-80.0 s)" in note
+    assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing it in turns 0.0-3.0 s)" in note
+    assert "; 2 measured in this process" in note and "; 1 failed there, the first with BrokenProcessPool" in note
     # What each process does once all have compiled: its row, and its time in turns against the limit.
     assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
     # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph
@@ -1743,10 +1749,15 @@ def test_a_compiled_plan_measured_where_it_compiled_has_its_row_and_its_time_in_
 
     options = sw.Options(device="cpu", warmup=2, iterations=1)
     plan = sw.Plan.parse("checkpoint('1'), compile(backend='aot_eager')")
-    profile, matched, skipped, (baseline, timed) = _measured_there(mlp, plan, BATCH, options, (1.0, 0.03))
+    started = time.perf_counter()
+    profile, matched, skipped, (baseline, timed), (row_s, timed_s) = _measured_there(mlp, plan, BATCH, options,
+                                                                                     (1.0, 0.03))
     assert profile.step_ms > 0 and matched == ("",) and 5 <= len(timed.rounds_ms) == len(baseline.rounds_ms) <= MAX_ROUNDS
-    assert _measured_there(mlp, plan, BATCH, options, None)[3] is None  # no time limit: not timed
-    failed, *_, timings = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options, (1.0, 0.03))
+    assert 0 < row_s and 0 < timed_s and row_s + timed_s <= time.perf_counter() - started  # where its turn went
+    *_, timings, (_, timed_s) = _measured_there(mlp, plan, BATCH, options, None)
+    assert timings is None and timed_s < 0.01  # no time limit: not timed
+    failed, *_, timings, _ = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options,
+                                             (1.0, 0.03))
     assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None
 
 

@@ -476,8 +476,9 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
              sw.Plan.parse("compile(backend='no_such_backend')")]
     seen: list[float] = []
+    started = time.time()
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured,
-                                 compiled=lambda: seen.append(time.time()))
+                                 compiled=lambda seconds: seen.append((time.time(), seconds)))
     assert at_once == 3 and [text for *_, text in out] == [str(p) for p in plans]  # the one that failed too
     steps = [(int(pid), float(t)) for pid, _, t in (line.split() for line in log.read_text().splitlines())]
     turns = sorted((began, ended) for _, began, ended, _ in out)
@@ -485,10 +486,12 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     assert {pid for pid, *_ in out} == {pid for pid, _ in steps} | {out[2][0]} and len({pid for pid, *_ in out}) == 3
     assert max(t for _, t in steps) < turns[0][0]
     assert all(ended <= began for (_, ended), (began, _) in zip(turns, turns[1:]))
-    assert len(seen) == 1 and max(t for _, t in steps) < seen[0]  # told once, after the last compiled
+    # Told once, after the last compiled, with the seconds each plan's first iterations took.
+    ((told, seconds),) = seen
+    assert max(t for _, t in steps) < told and len(seconds) == 3 and all(0 < s < told - started for s in seconds)
     # One that dies: the other's turn never comes, and it ends with its first iterations' result.
     at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured,
-                                 compiled=lambda: seen.append(time.time()))
+                                 compiled=lambda seconds: seen.append((time.time(), seconds)))
     (died,) = [o for o in out if o is not None]
     assert len(seen) == 1  # never all compiled
     assert at_once == 2 and out.count(None) == 1 and "BrokenProcessPool" in died

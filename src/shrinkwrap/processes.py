@@ -224,10 +224,12 @@ class _Turns:
     compiled: Any  # multiprocessing RawArray of one byte a plan
     broken: Any  # multiprocessing RawValue
     lock: Any  # multiprocessing Lock
+    seconds: Any  # multiprocessing RawArray of doubles: each plan's first iterations, in seconds
 
-    def wait(self, i: int) -> bool:
-        """Plan ``i`` compiled: wait until every plan has and this process holds the lock;
-        False (without the lock) where a process died first."""
+    def wait(self, i: int, seconds: float) -> bool:
+        """Plan ``i`` compiled in ``seconds``: wait until every plan has and this process holds
+        the lock; False (without the lock) where a process died first."""
+        self.seconds[i] = seconds
         self.compiled[i] = 1
         while not all(self.compiled):
             if self.broken.value:
@@ -249,8 +251,9 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     """A process ahead's work (:func:`compile_ahead`): plan ``i``'s first iterations, then, with
     ``then``, once every process has run its own, ``then``'s result, one process at a time; or
     the first iterations' error or None, where the turn never came."""
+    started = time.perf_counter()
     error = _first_steps(make, plan, batch, options, settings)
-    if then is None or _TURNS is None or not _TURNS.wait(i):
+    if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
         return error
     try:
         return then(make, plan, batch, options)
@@ -269,7 +272,7 @@ def _unsendable(args: tuple) -> str | None:
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None, then: Callable | None = None,
-                  compiled: Callable[[], None] | None = None) -> tuple[int, list[Any]]:
+                  compiled: Callable[[list[float]], None] | None = None) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
     what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
     AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
@@ -282,8 +285,9 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     what failed). Only where every plan's process runs at once (a process waiting for its turn
     holds the GPU memory it compiled with); else, and for a process whose turn never came (one
     beside it died, which ends the others' waiting), the plan's entry is its error or None, as
-    without ``then``. ``compiled()`` is called here once, within :data:`TURN_POLL` seconds of
-    the last plan's compiling (where the time went: compiling, then measuring).
+    without ``then``. ``compiled(seconds)`` is called here once, within :data:`TURN_POLL`
+    seconds of the last plan's compiling, with the seconds each plan's first iterations took
+    (where the time went: compiling, then measuring).
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
@@ -321,7 +325,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     if _unsendable((make, list(plans), batch, options, settings, then)):
         return 0, []
     context = multiprocessing.get_context("spawn")
-    turns = None if then is None else _Turns(context.RawArray("b", len(plans)), context.RawValue("b", 0), context.Lock())
+    turns = None if then is None else _Turns(context.RawArray("b", len(plans)), context.RawValue("b", 0), context.Lock(),
+                                             context.RawArray("d", len(plans)))
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
@@ -337,7 +342,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             if watching and all(turns.compiled):
                 watching = False
-                compiled()
+                compiled(list(turns.seconds))
             for future in done:
                 i, pool = running.pop(future)
                 try:

@@ -61,7 +61,7 @@ from ..plan import Plan
 from ..processes import _unsendable, model_maker
 from ..report import Report, Row
 from .choose import Effect, candidates, _priced, _effect_notes
-from .compiled import _compile_step
+from .compiled import _Ahead, _compile_step
 from .stages import SAME_MEMORY, _Rows, _gc_frozen, _isolation, _Search
 
 Budget = Union[int, float, str, None]
@@ -331,15 +331,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                  "fits there again in a fresh process on CUDA, compiled ones where they compiled; each timed in "
                  "turns with the baseline)")
     if search.ahead:
-        ahead = search.ahead
-        rest = ahead.plans - ahead.measured
-        notes.append(f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes "
-                     "at once"
-                     + (f", and measuring {ahead.measured} of them there, one at a time" if ahead.measured else "")
-                     + (f" (all compiled after {ahead.compiling:.1f} s)" if ahead.compiling is not None else "")
-                     + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
-                        f"on-disk caches and {ahead.misses} anew" if rest else "")
-                     + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
+        notes.append(_ahead_note(search.ahead))
     report.rows = _last_of_each(report.rows + tried)
     notes.append("frontier (no other row measured reads less memory in less time): " + "; ".join(
         f"{r.plan or 'the model as it is'}: {report.value(r) / 2**20:.1f} MiB, {r.profile.step_ms:.1f} ms"
@@ -348,6 +340,26 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if maximize == "batch":
         return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
     return final.plan, report
+
+
+def _ahead_note(ahead: _Ahead) -> str:
+    """Where the compile stage's seconds went, for the notes (after autoplan's own time)."""
+    rest = ahead.plans - ahead.measured
+    rows, timed = [r for r, _ in ahead.turns], [t for _, t in ahead.turns]
+    return (f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes at once"
+            + (f" (the last compiled after {ahead.compiling:.1f} s; each plan's first iterations took "
+               f"{_span(ahead.first)} s)" if ahead.compiling is not None else "")
+            + (f", and measuring {ahead.measured} of them there, one at a time (a row {_span(rows)} s, and timing "
+               f"it in turns {_span(timed)} s)" if ahead.measured else "")
+            + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
+               f"on-disk caches and {ahead.misses} anew" if rest else "")
+            + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
+
+
+def _span(seconds: list[float]) -> str:
+    """``seconds`` as their least and most (one figure where they are one)."""
+    low, high = (f"{min(seconds):.1f}", f"{max(seconds):.1f}") if seconds else ("-", "-")
+    return low if low == high else f"{low}-{high}"
 
 
 def _answerable(cache: dict, cands: list, compile_step: Plan | None, allow_lossy: bool) -> list[Row]:

@@ -5,6 +5,7 @@ compiled ahead in processes side by side, each then measured there."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
@@ -95,9 +96,10 @@ def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
 @dataclasses.dataclass
 class _Ahead:
     """The compile stage's plans compiled ahead (:meth:`_Search.compile_ahead`): how many, how
-    many at once, in how long (and of that, until every plan had compiled, where they were then
-    measured there), what failed there, how many were measured there, and what this process then
-    compiled from the caches (AOTAutograd's, one per graph) for the others."""
+    many at once, in how long, what failed there, how many were measured there, and what this
+    process then compiled from the caches (AOTAutograd's, one per graph) for the others. Where
+    they were measured there: the seconds until every plan had compiled, each plan's first
+    iterations (its compilation), and each one's turn (its row, and its timing in turns)."""
 
     plans: int
     at_once: int
@@ -105,12 +107,15 @@ class _Ahead:
     errors: list[str]
     measured: int = 0
     compiling: float | None = None
+    first: list[float] = dataclasses.field(default_factory=list)
+    turns: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     hits: int = 0
     misses: int = 0
 
 
 def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
-                    limit: tuple[float, float] | None) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None]:
+                    limit: tuple[float, float] | None
+                    ) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None, tuple[float, float]]:
     """In a process ahead, once every plan has compiled, one process at a time
     (:func:`~shrinkwrap.processes.compile_ahead`'s ``then``): ``plan``'s row as a fresh process
     measures it (:func:`~shrinkwrap.compare._row`: profile or failure, matched, skipped), and with
@@ -120,13 +125,15 @@ def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, optio
     the new model from the process's own caches), so the row's first iteration is a steady one,
     not a compilation. Measured in the autoplan process instead, each plan compiled a second
     time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t
-    @64, 135 s of that call's 430."""
+    @64, 135 s of that call's 430. Last, the seconds the row and the timing took."""
+    started = time.perf_counter()
     result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
+    row_s = time.perf_counter() - started
     timings = None
     if limit is not None and not isinstance(result, tuple):
         device = torch.device(options.device)
         timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options, *limit)
-    return result, matched, skipped, timings
+    return result, matched, skipped, timings, (row_s, time.perf_counter() - started - row_s)
 
 
 def _cache_counts() -> tuple[int, int]:

@@ -624,7 +624,8 @@ class _Search:
             if progress:
                 progress(i, len(plans), f"compiled: {plan}")
             if plan in there:
-                result, matched, skipped, timings = there[plan]
+                result, matched, skipped, timings, seconds = there[plan]
+                self.ahead.turns.append(seconds)
                 row = self.rows.cache[str(plan), True] = _as_row(plan, result, matched, skipped, "compiled")
                 if timings is not None:
                     self.ratios[str(plan)] = timings
@@ -665,9 +666,11 @@ class _Search:
         # process, and a row measured there after them would read it.
         then = None if step.mode == "reduce-overhead" else functools.partial(_measured_there, limit=limit)
         compiling: list[float] = []
+        first: list[float] = []
 
-        def compiled() -> None:
+        def compiled(seconds: list[float]) -> None:
             compiling.append(time.perf_counter() - started)
+            first.extend(seconds)
             if progress:
                 progress(0, len(plans), f"{len(plans)} plans compiled in {compiling[0]:.1f} s; measuring each where "
                                         "it compiled, one at a time")
@@ -678,7 +681,7 @@ class _Search:
             return {}
         there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
         self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started,
-                            [e for e in out if isinstance(e, str)], len(there), *compiling[:1])
+                            [e for e in out if isinstance(e, str)], len(there), *compiling[:1], first)
         return there
 
     def final(self, tried: list[Row]) -> Row:
