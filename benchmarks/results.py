@@ -364,10 +364,11 @@ def zoo_lines(rows: list[dict]) -> list[str]:
 def latest_runs(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each model's rows of its latest run, so that an error row of an earlier run cannot hide a
     later result: a run's rows lie together in the file (zoo.py appends a model's rows at once)
-    and name their run (``run``). A run that ended without rows (one error for the model: it
-    timed out, or the run's deadline stopped it, ``cut``) does not replace an earlier run that
+    and name their run (``run``). A run stopped without rows (one error for the model: it outran
+    ``--timeout``, or the run's deadline stopped it, ``cut``) does not replace an earlier run that
     has rows, nor does a cut run replace an earlier error; the latest such run of each model comes
-    second (what it had answered, and in how many seconds), unless the deadline left it unstarted."""
+    second (what it had answered, and in how many seconds), unless the deadline left it unstarted.
+    A run that failed (its process exited) replaces the earlier one: the table shows the error."""
     groups: list[list[dict]] = []
     for i, r in enumerate(rows):
         if i == 0 or (rows[i - 1]["model"], rows[i - 1].get("run")) != (r["model"], r.get("run")):
@@ -379,9 +380,12 @@ def latest_runs(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     def ended(group: list[dict]) -> bool:
         return all(r["config"] == "all" for r in group)
 
+    def stopped(group: list[dict]) -> bool:  # zoo.py's words for a model it stopped
+        return all(r["config"] == "all" and (r.get("cut") or r["error"].startswith("timed out after")) for r in group)
+
     for group in groups:
         model = group[0]["model"]
-        if model in runs and ended(group) and (all(r.get("cut") for r in group) or not ended(runs[model])):
+        if model in runs and stopped(group) and (all(r.get("cut") for r in group) or not ended(runs[model])):
             aside.update((model, r) for r in group if not r["error"].startswith("not started"))
             continue
         runs.pop(model, None)
@@ -407,7 +411,7 @@ def zoo_section() -> list[str]:
     out += zoo_lines(latest_run)
     if aside:
         out += ["Later runs that ended without rows (the table keeps the model's earlier run): " + "; ".join(
-            f"{r['model']} ({r['run'][:10]}): {r['error']}" for r in aside) + ".", ""]
+            f"{r['model']} ({(r.get('run') or '?')[:10]}): {r['error']}" for r in aside) + ".", ""]
     return out + [f"Runs: {stamp([r for r in latest_run if 'gpu' in r])}.", ""]
 
 

@@ -190,8 +190,9 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
                 why = (f"timed out after {time.monotonic() - started:.0f} s{gave}" if over else
                        f"stopped at the run's deadline after {time.monotonic() - started:.0f} s{gave}") if late else \
                     f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
-                # cut: stopped by the run's deadline, not the model's own failure or timeout (results.py
-                # then keeps the model's earlier run).
+                # cut: stopped by the run's deadline, not the model's own failure or timeout. results.py
+                # keeps the model's earlier run for a cut run and for one that "timed out after" (its
+                # rows not measured), not for one that exited.
                 got = [{"model": name, "config": "all", "error": why, **({"cut": True} if late and not over else {})}]
             rows += [{**r, "run": run} for r in got]
             print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,

@@ -813,16 +813,17 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     ahead, measured = [], []
     timings = (sw.Timing((10.0,) * 5), sw.Timing((6.0,) * 5))
     there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings, (2.0, 3.0))  # _measured_there's
-    failed = (("failed", "BackendCompilerFailed: ..."), (), (), None, (9.0, 0.0))
+    failed = (("failed", "BackendCompilerFailed: ..."), (), (), None, (9.0, None))
 
     def fake_ahead(make, plans, batch, options, room, then, compiled):
         ahead.append(([str(p) for p in plans], room, then))
-        time.sleep(0.05)
-        compiled([50.0, 60.0, 70.0, 80.0][:len(plans)])  # every plan compiled: the processes measure next
-        time.sleep(0.05)
-        # The first plan measured there, the second failed there; the third's turn never came
-        # (a process died: its error), nor the fourth's.
-        return len(plans), [there, failed, "BrokenProcessPool: ...", None][:len(plans)]
+        if then is not None:  # told once every plan has compiled: the processes measure next
+            time.sleep(0.05)
+            compiled([50.0, 60.0, 70.0, 80.0][:len(plans)])
+            time.sleep(0.05)
+        # The first plan measured there, the second failed there; the third's process died in its
+        # turn (its error), and the fourth's turn never came. Without ``then``: compiled only.
+        return len(plans), ([there, failed] if then else [None, None]) + ["BrokenProcessPool: ...", None][:len(plans) - 2]
 
     monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", fake_ahead)
 
@@ -854,13 +855,14 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     # Among them the one-line recipe: every block a region of its own, compiled.
     assert r"checkpoint(r'layer[12]\.\d+'), compile()" in texts
     assert room == 4000 and (search.ahead.plans, search.ahead.at_once, search.ahead.measured) == (4, 4, 2)
-    assert search.ahead.errors == ["BrokenProcessPool: ..."]  # what failed there, for the notes
+    # What failed there, for the notes: a process, and a plan's row.
+    assert search.ahead.errors == ["BrokenProcessPool: ...", "BackendCompilerFailed: ..."]
     assert 0.05 <= search.ahead.compiling < search.ahead.seconds - 0.04  # compiling, then measuring
-    assert search.ahead.first == [50.0, 60.0, 70.0, 80.0] and search.ahead.turns == [(2.0, 3.0), (9.0, 0.0)]
+    assert search.ahead.first == [50.0, 60.0, 70.0, 80.0] and search.ahead.turns == [(2.0, 3.0), (9.0, None)]
     note = _ahead_note(search.ahead)  # where the stage's time went
     assert "4 processes at once (the last compiled after " in note and "first iterations took 50.0-80.0 s)" in note
-    assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing it in turns 0.0-3.0 s)" in note
-    assert "; 2 measured in this process" in note and "; 1 failed there, the first with BrokenProcessPool" in note
+    assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing it in turns 3.0 s)" in note
+    assert "; 2 measured in this process" in note and "; 2 failed there, the first with BrokenProcessPool" in note
     # What each process does once all have compiled: its row, and its time in turns against the limit.
     assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
     # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph
@@ -870,7 +872,10 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     cache["", True] = base
     search.ahead = None
     search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile(mode='reduce-overhead')"))
-    assert ahead[0][2] is None
+    assert ahead[0][2] is None and search.ahead.compiling is None and not search.ahead.first
+    note = _ahead_note(search.ahead)  # compiled ahead, measured in this process
+    assert f"processes at once; {len(ahead[0][0])} measured in this process" in note and "; 1 failed there" in note
+    assert "first iterations" not in note and "measuring" not in note
     # Not where nothing is kept on disk (another backend), where kernels are tuned as the graph
     # compiles (beside other processes, the choice would be kept), or without CUDA.
     for step, cuda in [("compile(backend='aot_eager_decomp_partition')", True), ("compile(mode='max-autotune')", True),
@@ -1755,10 +1760,10 @@ def test_a_compiled_plan_measured_where_it_compiled_has_its_row_and_its_time_in_
     assert profile.step_ms > 0 and matched == ("",) and 5 <= len(timed.rounds_ms) == len(baseline.rounds_ms) <= MAX_ROUNDS
     assert 0 < row_s and 0 < timed_s and row_s + timed_s <= time.perf_counter() - started  # where its turn went
     *_, timings, (_, timed_s) = _measured_there(mlp, plan, BATCH, options, None)
-    assert timings is None and timed_s < 0.01  # no time limit: not timed
-    failed, *_, timings, _ = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options,
-                                             (1.0, 0.03))
-    assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None
+    assert timings is None is timed_s  # no time limit: not timed
+    failed, *_, timings, (_, timed_s) = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH,
+                                                        options, (1.0, 0.03))
+    assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None is timed_s
 
 
 def test_a_compiled_answer_measured_fresh_is_still_a_compiled_row():

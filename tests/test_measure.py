@@ -475,7 +475,7 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
              sw.Plan.parse("compile(backend='no_such_backend')")]
-    seen: list[float] = []
+    seen: list[tuple[float, list[float]]] = []
     started = time.time()
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured,
                                  compiled=lambda seconds: seen.append((time.time(), seconds)))

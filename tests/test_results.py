@@ -56,3 +56,6 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     assert latest_runs(rows[-1:] + cut) == (rows[-1:], cut)
     # An error run after an error run is the model's latest: nothing earlier has rows.
     assert latest_runs(rows[-1:] + late) == (late, [])
+    # A run that failed replaces the earlier one: the table shows the error.
+    failed = [{"model": "broken", "config": "all", "error": "exit 1: RuntimeError: ...", "run": "last"}]
+    assert latest_runs(rows + again + failed) == (rows[:-1] + failed, [])

@@ -285,9 +285,10 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     what failed). Only where every plan's process runs at once (a process waiting for its turn
     holds the GPU memory it compiled with); else, and for a process whose turn never came (one
     beside it died, which ends the others' waiting), the plan's entry is its error or None, as
-    without ``then``. ``compiled(seconds)`` is called here once, within :data:`TURN_POLL`
-    seconds of the last plan's compiling, with the seconds each plan's first iterations took
-    (where the time went: compiling, then measuring).
+    without ``then``. With ``then``, ``compiled(seconds)`` (which must not raise) is called
+    here within :data:`TURN_POLL` seconds of the last plan's compiling, with the seconds each
+    plan's first iterations took (where the time went: compiling, then measuring); never where
+    a process died first.
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as

@@ -345,12 +345,12 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
 def _ahead_note(ahead: _Ahead) -> str:
     """Where the compile stage's seconds went, for the notes (after autoplan's own time)."""
     rest = ahead.plans - ahead.measured
-    rows, timed = [r for r, _ in ahead.turns], [t for _, t in ahead.turns]
+    rows, timed = [r for r, _ in ahead.turns], [t for _, t in ahead.turns if t is not None]
     return (f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes at once"
             + (f" (the last compiled after {ahead.compiling:.1f} s; each plan's first iterations took "
                f"{_span(ahead.first)} s)" if ahead.compiling is not None else "")
-            + (f", and measuring {ahead.measured} of them there, one at a time (a row {_span(rows)} s, and timing "
-               f"it in turns {_span(timed)} s)" if ahead.measured else "")
+            + (f", and measuring {ahead.measured} of them there, one at a time (a row {_span(rows)} s"
+               + (f", and timing it in turns {_span(timed)} s" if timed else "") + ")" if ahead.measured else "")
             + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
                f"on-disk caches and {ahead.misses} anew" if rest else "")
             + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))
@@ -358,7 +358,7 @@ def _ahead_note(ahead: _Ahead) -> str:
 
 def _span(seconds: list[float]) -> str:
     """``seconds`` as their least and most (one figure where they are one)."""
-    low, high = (f"{min(seconds):.1f}", f"{max(seconds):.1f}") if seconds else ("-", "-")
+    low, high = f"{min(seconds):.1f}", f"{max(seconds):.1f}"
     return low if low == high else f"{low}-{high}"
 
 

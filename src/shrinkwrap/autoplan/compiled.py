@@ -108,14 +108,14 @@ class _Ahead:
     measured: int = 0
     compiling: float | None = None
     first: list[float] = dataclasses.field(default_factory=list)
-    turns: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    turns: list[tuple[float, float | None]] = dataclasses.field(default_factory=list)
     hits: int = 0
     misses: int = 0
 
 
 def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
                     limit: tuple[float, float] | None
-                    ) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None, tuple[float, float]]:
+                    ) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None, tuple[float, float | None]]:
     """In a process ahead, once every plan has compiled, one process at a time
     (:func:`~shrinkwrap.processes.compile_ahead`'s ``then``): ``plan``'s row as a fresh process
     measures it (:func:`~shrinkwrap.compare._row`: profile or failure, matched, skipped), and with
@@ -125,7 +125,7 @@ def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, optio
     the new model from the process's own caches), so the row's first iteration is a steady one,
     not a compilation. Measured in the autoplan process instead, each plan compiled a second
     time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t
-    @64, 135 s of that call's 430. Last, the seconds the row and the timing took."""
+    @64, 135 s of that call's 430. Last, the seconds the row took, and the timing (None: not timed)."""
     started = time.perf_counter()
     result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
     row_s = time.perf_counter() - started
@@ -133,7 +133,7 @@ def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, optio
     if limit is not None and not isinstance(result, tuple):
         device = torch.device(options.device)
         timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options, *limit)
-    return result, matched, skipped, timings, (row_s, time.perf_counter() - started - row_s)
+    return result, matched, skipped, timings, (row_s, None if timings is None else time.perf_counter() - started - row_s)
 
 
 def _cache_counts() -> tuple[int, int]:

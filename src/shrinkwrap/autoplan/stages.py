@@ -680,8 +680,11 @@ class _Search:
         if not at_once:
             return {}
         there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
-        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started,
-                            [e for e in out if isinstance(e, str)], len(there), *compiling[:1], first)
+        # What failed there: a process's error, or a row's (a plan that failed to compile fails
+        # again in its turn, its row alone on the GPU).
+        errors = [e for e in out if isinstance(e, str)] + [r[0][1] for r in there.values() if isinstance(r[0], tuple)]
+        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, errors, len(there),
+                            compiling=compiling[0] if compiling else None, first=first)
         return there
 
     def final(self, tried: list[Row]) -> Row:
