@@ -105,12 +105,16 @@ class _Ahead:
     at_once: int
     seconds: float
     errors: list[str]
-    measured: int = 0
     compiling: float | None = None
     first: list[float] = dataclasses.field(default_factory=list)
-    turns: list[tuple[float, float | None]] = dataclasses.field(default_factory=list)
+    turns: list[tuple[float, float | None]] = dataclasses.field(default_factory=list)  # (row s, timing s or None)
     hits: int = 0
     misses: int = 0
+
+    @property
+    def measured(self) -> int:
+        """How many plans were measured where they compiled (one turn each)."""
+        return len(self.turns)
 
 
 def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,

@@ -624,8 +624,7 @@ class _Search:
             if progress:
                 progress(i, len(plans), f"compiled: {plan}")
             if plan in there:
-                result, matched, skipped, timings, seconds = there[plan]
-                self.ahead.turns.append(seconds)
+                result, matched, skipped, timings, _ = there[plan]
                 row = self.rows.cache[str(plan), True] = _as_row(plan, result, matched, skipped, "compiled")
                 if timings is not None:
                     self.ratios[str(plan)] = timings
@@ -683,8 +682,9 @@ class _Search:
         # What failed there: a process's error, or a row's (a plan that failed to compile fails
         # again in its turn, its row alone on the GPU).
         errors = [e for e in out if isinstance(e, str)] + [r[0][1] for r in there.values() if isinstance(r[0], tuple)]
-        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, errors, len(there),
-                            compiling=compiling[0] if compiling else None, first=first)
+        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, errors,
+                            compiling=compiling[0] if compiling else None, first=first,
+                            turns=[r[-1] for r in there.values()])
         return there
 
     def final(self, tried: list[Row]) -> Row:
