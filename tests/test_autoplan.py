@@ -803,7 +803,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
 
     from shrinkwrap.autoplan.choose import Effect
     from shrinkwrap.autoplan import _ahead_note
-    from shrinkwrap.autoplan.compiled import _measured_there
+    from shrinkwrap.autoplan.compiled import _Turn
     from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.report import Row
 
@@ -812,11 +812,11 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     rows, metric = _rows({r"checkpoint('layer1')": (500.0, 10.0)})
     ahead, measured = [], []
     timings = (sw.Timing((10.0,) * 5), sw.Timing((6.0,) * 5))
-    there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings, (2.0, 3.0))  # _measured_there's
+    there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings, (2.0, 3.0))  # _Turn.timed's
     failed = (("failed", "BackendCompilerFailed: ..."), (), (), None, (9.0, None))
 
-    def fake_ahead(make, plans, batch, options, room, then, compiled):
-        ahead.append(([str(p) for p in plans], room, then))
+    def fake_ahead(make, plans, batch, options, room, then, compiled, after):
+        ahead.append(([str(p) for p in plans], room, then, after))
         if then is not None:  # told once every plan has compiled: the processes measure next
             time.sleep(0.05)
             compiled([50.0, 60.0, 70.0, 80.0][:len(plans)])
@@ -840,7 +840,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
-    ((texts, room, then),) = ahead
+    ((texts, room, then, after),) = ahead
     # The plan measured there is a fresh process's row, with its timings in turns, and this
     # process measures the others itself (compiling them from the on-disk caches).
     (row,) = [r for r in out if str(r.plan) == texts[0]]
@@ -861,10 +861,14 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     assert search.ahead.first == [50.0, 60.0, 70.0, 80.0] and search.ahead.turns == [(2.0, 3.0), (9.0, None)]
     note = _ahead_note(search.ahead)  # where the stage's time went
     assert "4 processes at once (the last compiled after " in note and "first iterations took 50.0-80.0 s)" in note
-    assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing it in turns 3.0 s)" in note
+    assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing 1 in turns 3.0 s)" in note
     assert "; 2 measured in this process" in note and "; 2 failed there, the first with BrokenProcessPool" in note
-    # What each process does once all have compiled: its row, and its time in turns against the limit.
-    assert then.func is _measured_there and then.keywords == {"limit": (10.0, search.tolerance)}
+    # What each process does once all have compiled: its row, then its time in turns against the
+    # limit, unless a row within the limits, here or timed there before it, reads less.
+    turn = then.__self__
+    assert isinstance(turn, _Turn) and then == turn.row and after == turn.timed
+    assert (turn.slowdown, turn.tolerance, turn.target) == (10.0, search.tolerance, None)
+    assert turn.within == tuple(metric(r) for r in rows if search.fits(r))
     # Plans that run CUDA graphs: compiled ahead, not measured there (the first iterations' graph
     # pools would count in the row).
     ahead.clear()
@@ -872,7 +876,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     cache["", True] = base
     search.ahead = None
     search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile(mode='reduce-overhead')"))
-    assert ahead[0][2] is None and search.ahead.compiling is None and not search.ahead.first
+    assert ahead[0][2] is None is ahead[0][3] and search.ahead.compiling is None and not search.ahead.first
     note = _ahead_note(search.ahead)  # compiled ahead, measured in this process
     assert f"processes at once; {len(ahead[0][0])} measured in this process" in note and "; 1 failed there" in note
     assert "first iterations" not in note and "measuring" not in note
@@ -1748,22 +1752,48 @@ def test_a_base_step_is_not_measured_together_with_a_candidate_that_cannot_share
     assert not any(str(steps[1]) in c for c in calls[1])  # stage 3 searched without it
 
 
-def test_a_compiled_plan_measured_where_it_compiled_has_its_row_and_its_time_in_turns():
-    from shrinkwrap.autoplan.compiled import _measured_there
-    from shrinkwrap.measure.ratios import MAX_ROUNDS
+def test_a_compiled_plan_measured_where_it_compiled_is_timed_there_unless_its_row_decides_nothing():
+    import math
+    import pickle
+
+    from shrinkwrap.autoplan.compiled import _Turn
+    from shrinkwrap.measure.ratios import MAX_ROUNDS, within_slowdown
+    from shrinkwrap.report import Report, Row
 
     options = sw.Options(device="cpu", warmup=2, iterations=1)
     plan = sw.Plan.parse("checkpoint('1'), compile(backend='aot_eager')")
+    metric = Report([], "cpu", "", "").value
+    turn = _Turn(metric, 1.0, 0.03, None, ())  # the least memory within 1.0x, nothing within it yet
+    sent = pickle.loads(pickle.dumps(turn.timed))  # it travels to the processes ahead
+    assert sent.__func__ is _Turn.timed and sent.__self__.metric(Row(plan, sw.measure(mlp(), BATCH))) > 0
     started = time.perf_counter()
-    profile, matched, skipped, (baseline, timed), (row_s, timed_s) = _measured_there(mlp, plan, BATCH, options,
-                                                                                     (1.0, 0.03))
-    assert profile.step_ms > 0 and matched == ("",) and 5 <= len(timed.rounds_ms) == len(baseline.rounds_ms) <= MAX_ROUNDS
-    assert 0 < row_s and 0 < timed_s and row_s + timed_s <= time.perf_counter() - started  # where its turn went
-    *_, timings, (_, timed_s) = _measured_there(mlp, plan, BATCH, options, None)
-    assert timings is None is timed_s  # no time limit: not timed
-    failed, *_, timings, (_, timed_s) = _measured_there(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH,
-                                                        options, (1.0, 0.03))
-    assert failed[0] == "failed" and "no_such_backend" in failed[1] and timings is None is timed_s
+    first, key = turn.row(mlp, plan, BATCH, options)
+    (profile, matched, skipped, (baseline, timed), (row_s, timed_s)), left = turn.timed(mlp, plan, BATCH, options,
+                                                                                         first, [])
+    assert key == profile.saved > 0 and matched == ("",)
+    assert profile.step_ms > 0 and 5 <= len(timed.rounds_ms) == len(baseline.rounds_ms) <= MAX_ROUNDS
+    assert 0 < row_s and 0 < timed_s and row_s + timed_s <= time.perf_counter() - started  # where its turns went
+    # What it leaves the later turns: what it reads, where it is within the limit.
+    assert left == (key if within_slowdown(baseline, timed, 1.0, 0.03) else math.inf)
+
+    def timing(turn, before=()):
+        (*_, timings, (_, timed_s)), left = turn.timed(mlp, plan, BATCH, options, first, list(before))
+        assert (timings is None) == (timed_s is None)
+        return timings, left
+
+    # Outdone, whatever its time, by a row within the limits that reads more than 2% less:
+    # measured before the compile stage, or timed in a turn before this one. Not timed.
+    assert timing(_Turn(metric, 1.0, 0.03, None, (0.97 * key,))) == (None, math.inf)
+    assert timing(turn, [math.inf, 0.97 * key]) == (None, math.inf)
+    assert timing(turn, [0.99 * key])[0] is not None  # alike memory: its time decides
+    # Where the answer is the fastest within the budget: timed whatever read less before it; not
+    # over the budget; not without a time limit, nor where the row failed.
+    assert timing(_Turn(metric, 1.0, 0.03, key, None), [0.5 * key]) != (None, math.inf)
+    assert timing(_Turn(metric, 1.0, 0.03, key - 1, None)) == (None, math.inf)
+    assert timing(_Turn(metric, None, 0.03, None, ())) == (None, math.inf)
+    first, key = turn.row(mlp, sw.Plan.parse("compile(backend='no_such_backend')"), BATCH, options)
+    (failed, *_), left = turn.timed(mlp, plan, BATCH, options, first, [])
+    assert failed[0] == "failed" and "no_such_backend" in failed[1] and key == math.inf == left
 
 
 def test_a_compiled_answer_measured_fresh_is_still_a_compiled_row():

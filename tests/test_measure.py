@@ -502,6 +502,40 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     assert out.count(None) == 1 and "BrokenProcessPool" in died and time.time() - started < 120
 
 
+def _keyed(make, plan, batch, options, keys):
+    """``then`` with a second turn: when its first turn ended, and the plan's key."""
+    return time.time(), keys[str(plan)]
+
+
+def _second(make, plan, batch, options, ended, before):
+    """``after``: the plan, when its first turn ended and its second began, what the earlier
+    second turns left, and for the later ones, how many came before it."""
+    began = time.time()
+    time.sleep(0.2)
+    return (str(plan), ended, began, before), float(len(before))
+
+
+def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_what_the_earlier_left():
+    import functools
+
+    from shrinkwrap.processes import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    options = Options(iterations=1, warmup=1, device="cpu")
+    plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
+             sw.Plan.parse("checkpoint('2'), compile(backend='aot_eager')")]
+    keys = {str(plans[0]): float("nan"), str(plans[1]): 2.0, str(plans[2]): 1.0}  # no figure: last
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options,
+                                 then=functools.partial(_keyed, keys=keys), after=_second)
+    assert at_once == 3 and [text for text, *_ in out] == [str(p) for p in plans]
+    turns = sorted(out, key=lambda o: o[2])
+    assert [text for text, *_ in turns] == [str(plans[2]), str(plans[1]), str(plans[0])]
+    assert [before for *_, before in turns] == [[], [0.0], [0.0, 1.0]]
+    # Every second turn after every first turn, and no two at once.
+    assert max(ended for _, ended, _, _ in out) < turns[0][2]
+    assert all(b - a >= 0.2 for a, b in zip([t[2] for t in turns], [t[2] for t in turns[1:]]))
+
+
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():
     """Setting float32 matmul precision to the "highest" it already was turns torch's cache key
     (``fp32_precision``) from "none" to "ieee": every graph a process ahead compiled then missed

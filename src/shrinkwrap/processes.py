@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import importlib
 import io
+import math
 import multiprocessing
 import multiprocessing.connection
 import pickle
@@ -215,30 +216,58 @@ TURN_POLL = 0.2  # seconds between a waiting process's looks at the others
 
 @dataclasses.dataclass
 class _Turns:
-    """How the processes ahead take turns (:func:`compile_ahead`'s ``then``): a flag each sets
-    once its plan has compiled, one the parent sets when a process died, and the lock a turn
-    holds. Flags in shared memory, read by polling: a condition (``multiprocessing.Barrier``)
-    waits for every sleeper to wake, and one killed while waiting (the OOM killer) would hang
-    the others and the parent."""
+    """How the processes ahead take turns (:func:`compile_ahead`'s ``then`` and ``after``): a flag
+    each sets once its plan has compiled, one the parent sets when a process died, and the lock a
+    turn holds; for the second turns, each plan's key, a flag each sets once its first turn is
+    over, how many second turns were taken, and what each left for the next. Flags in shared
+    memory, read by polling: a condition (``multiprocessing.Barrier``) waits for every sleeper to
+    wake, and one killed while waiting (the OOM killer) would hang the others and the parent."""
 
     compiled: Any  # multiprocessing RawArray of one byte a plan
     broken: Any  # multiprocessing RawValue
     lock: Any  # multiprocessing Lock
     seconds: Any  # multiprocessing RawArray of doubles: each plan's first iterations, in seconds
+    keys: Any  # RawArray of doubles: each plan's key from its first turn (the second turns' order)
+    firsts: Any  # RawArray of one byte a plan: its first turn is over
+    taken: Any  # RawValue: how many second turns were taken
+    left: Any  # RawArray of doubles: what each second turn left for the later ones, in turn order
+
+    @classmethod
+    def make(cls, context: Any, n: int) -> "_Turns":
+        return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(), context.RawArray("d", n),
+                   context.RawArray("d", n), context.RawArray("b", n), context.RawValue("i", 0),
+                   context.RawArray("d", [math.inf] * n))
+
+    def _until(self, ready: Callable[[], bool]) -> bool:
+        """Poll until ``ready()``; False where a process died first."""
+        while not ready():
+            if self.broken.value:
+                return False
+            time.sleep(TURN_POLL)
+        return True
 
     def wait(self, i: int, seconds: float) -> bool:
         """Plan ``i`` compiled in ``seconds``: wait until every plan has and this process holds
         the lock; False (without the lock) where a process died first."""
         self.seconds[i] = seconds
         self.compiled[i] = 1
-        while not all(self.compiled):
-            if self.broken.value:
-                return False
-            time.sleep(TURN_POLL)
+        if not self._until(lambda: all(self.compiled)):
+            return False
         while not self.lock.acquire(timeout=TURN_POLL):
             if self.broken.value:  # one died, maybe holding the lock
                 return False
         return True
+
+    def second(self, i: int, key: float) -> int | None:
+        """Plan ``i``'s first turn gave ``key``: wait until every plan's first turn is over and
+        then for this plan's second turn, by key (least first; alike keys in plan order). Returns
+        its place among the second turns; None where a process died first."""
+        self.keys[i] = key if key == key else math.inf  # NaN would not sort
+        self.firsts[i] = 1
+        if not self._until(lambda: all(self.firsts)):
+            return None
+        place = sorted(range(len(self.keys)), key=lambda j: (self.keys[j], j)).index(i)
+        return place if self._until(lambda: self.taken.value == place) else None
 
 
 def _take_turns(turns: _Turns | None) -> None:
@@ -247,18 +276,30 @@ def _take_turns(turns: _Turns | None) -> None:
 
 
 def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, settings: dict,
-           then: Callable | None, i: int) -> Any:
+           then: Callable | None, i: int, after: Callable | None = None) -> Any:
     """A process ahead's work (:func:`compile_ahead`): plan ``i``'s first iterations, then, with
-    ``then``, once every process has run its own, ``then``'s result, one process at a time; or
-    the first iterations' error or None, where the turn never came."""
+    ``then``, once every process has run its own, ``then``'s result, one process at a time (and
+    with ``after``, a second turn: ``after``'s result); or the first iterations' error or None,
+    where a turn never came."""
     started = time.perf_counter()
     error = _first_steps(make, plan, batch, options, settings)
     if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
         return error
     try:
-        return then(make, plan, batch, options)
+        result = then(make, plan, batch, options)
     finally:
         _TURNS.lock.release()
+    if after is None:
+        return result
+    result, key = result
+    place = _TURNS.second(i, key)
+    if place is None:
+        return error
+    try:
+        result, _TURNS.left[place] = after(make, plan, batch, options, result, list(_TURNS.left[:place]))
+    finally:
+        _TURNS.taken.value += 1  # only the process whose turn it is writes it
+    return result
 
 
 def _unsendable(args: tuple) -> str | None:
@@ -272,7 +313,8 @@ def _unsendable(args: tuple) -> str | None:
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None, then: Callable | None = None,
-                  compiled: Callable[[list[float]], None] | None = None) -> tuple[int, list[Any]]:
+                  compiled: Callable[[list[float]], None] | None = None,
+                  after: Callable | None = None) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
     what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
     AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
@@ -289,6 +331,13 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     here within :data:`TURN_POLL` seconds of the last plan's compiling, with the seconds each
     plan's first iterations took (where the time went: compiling, then measuring); never where
     a process died first.
+
+    ``after``: with ``then``, each process's second turn, once every first turn is over (``then``
+    then returns its result and a number, the key), one process at a time, least key first (alike
+    keys in plan order): ``after(make, plan, batch, options, result, before)``, where ``result`` is
+    what its ``then`` returned and ``before`` the numbers the earlier second turns left. It returns
+    the plan's entry and the number it leaves for the later ones (a turn can depend on what the
+    earlier ones found: a plan outdone by one before it need not be timed).
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
@@ -322,12 +371,11 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
         return 0, []
     if at_once < len(plans):
-        then = None
-    if _unsendable((make, list(plans), batch, options, settings, then)):
+        then = after = None
+    if _unsendable((make, list(plans), batch, options, settings, then, after)):
         return 0, []
     context = multiprocessing.get_context("spawn")
-    turns = None if then is None else _Turns(context.RawArray("b", len(plans)), context.RawValue("b", 0), context.Lock(),
-                                             context.RawArray("d", len(plans)))
+    turns = None if then is None else _Turns.make(context, len(plans))
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
@@ -338,7 +386,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 i, plan = waiting.pop(0)
                 pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
                                                               initargs=(turns,))
-                running[pool.submit(_ahead, make, plan, batch, options, settings, then, i)] = (i, pool)
+                running[pool.submit(_ahead, make, plan, batch, options, settings, then, i, after)] = (i, pool)
             done, _ = concurrent.futures.wait(running, timeout=TURN_POLL if watching else None,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             if watching and all(turns.compiled):

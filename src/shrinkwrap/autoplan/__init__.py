@@ -44,6 +44,7 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -231,7 +232,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         if checked is not None:
             return Plan(), report
         report.notes.append("the model as it is did not train under the budget's cap: autoplan searches on")
-    search = _Search(rows, probe, report.value, base_mem, base_t, target,
+    # Rows are read by the report's metric; a copy without rows travels to the processes ahead.
+    search = _Search(rows, probe, dataclasses.replace(report, rows=[], notes=[]).value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
                      max_slowdown, tolerance)
 
@@ -350,7 +352,7 @@ def _ahead_note(ahead: _Ahead) -> str:
             + (f" (the last compiled after {ahead.compiling:.1f} s; each plan's first iterations took "
                f"{_span(ahead.first)} s)" if ahead.compiling is not None else "")
             + (f", and measuring {ahead.measured} of them there, one at a time (a row {_span(rows)} s"
-               + (f", and timing it in turns {_span(timed)} s" if timed else "") + ")" if ahead.measured else "")
+               + (f", and timing {len(timed)} in turns {_span(timed)} s" if timed else "") + ")" if ahead.measured else "")
             + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "
                f"on-disk caches and {ahead.misses} anew" if rest else "")
             + (f"; {len(ahead.errors)} failed there, the first with {ahead.errors[0]}" if ahead.errors else ""))

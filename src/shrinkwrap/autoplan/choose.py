@@ -17,6 +17,15 @@ from ..plan import Plan
 from ..report import Row
 from ..step import Candidate, Context, registered
 
+SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
+
+
+def _outdone(mem: float, within: list[float]) -> bool:
+    """Whether a plan that reads ``mem`` gives way, whatever its time, to a plan within the limits
+    that reads one of ``within``, where the answer is the least memory within them: one that reads
+    more than :data:`SAME_MEMORY` less."""
+    return any((1 + SAME_MEMORY) * m < mem for m in within)
+
 
 @dataclasses.dataclass
 class Effect:

@@ -5,22 +5,25 @@ compiled ahead in processes side by side, each then measured there."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from ..compare import _row
-from ..measure.ratios import timed_against
-from ..measure.step import Options, Timing
+from ..compare import _as_row, _row
+from ..measure.ratios import timed_against, within_slowdown
+from ..measure.step import Options
 from ..plan import Plan
 from ..processes import _build
+from ..report import Row
 from ..select import _inside, innermost_blocks, pattern_for
 from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
 from ..transforms.layout import ChannelsLast, SpaceToDepth
+from .choose import _outdone
 
 PARTITIONER_BUDGET = 0.6  # the compile stage's memory budget for the partitioner (see _budgeted)
 
@@ -117,27 +120,58 @@ class _Ahead:
         return len(self.turns)
 
 
-def _measured_there(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
-                    limit: tuple[float, float] | None
-                    ) -> tuple[Any, tuple, tuple, tuple[Timing, Timing] | None, tuple[float, float | None]]:
-    """In a process ahead, once every plan has compiled, one process at a time
-    (:func:`~shrinkwrap.processes.compile_ahead`'s ``then``): ``plan``'s row as a fresh process
-    measures it (:func:`~shrinkwrap.compare._row`: profile or failure, matched, skipped), and with
-    ``limit`` (the slowdown and its tolerance) the plan timed in turns with the baseline there,
-    whatever its memory (a few seconds, against a compilation where the autoplan process times
-    it). The plan's graphs compiled there already: neither compiles them again (dynamo traces
-    the new model from the process's own caches), so the row's first iteration is a steady one,
-    not a compilation. Measured in the autoplan process instead, each plan compiled a second
-    time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t
-    @64, 135 s of that call's 430. Last, the seconds the row took, and the timing (None: not timed)."""
-    started = time.perf_counter()
-    result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
-    row_s = time.perf_counter() - started
-    timings = None
-    if limit is not None and not isinstance(result, tuple):
-        device = torch.device(options.device)
-        timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options, *limit)
-    return result, matched, skipped, timings, (row_s, None if timings is None else time.perf_counter() - started - row_s)
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    """What a process ahead does once every plan has compiled, one process at a time
+    (:func:`~shrinkwrap.processes.compile_ahead`'s ``then`` and ``after``): :meth:`row`, then in a
+    second turn, least memory first, :meth:`timed`. Plain values, sent to the processes: how rows
+    are read (``metric``), the step-time limit (``slowdown``, None: none, and its ``tolerance``),
+    the budget (``target``), and where the answer is the least memory within the limits, what the
+    rows already within them read (``within``; None where the answer is the fastest plan within
+    the budget: every plan within it is timed).
+
+    The plan's graphs compiled there already: neither the row nor the timing compiles them again
+    (dynamo traces the new model from the process's own caches), so the row's first iteration is
+    a steady one, not a compilation. Measured in the autoplan process instead, each plan compiled
+    a second time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for
+    swin_t @64, 135 s of that call's 430."""
+
+    metric: Callable[[Row], Any]
+    slowdown: float | None
+    tolerance: float
+    target: float | None
+    within: tuple[float, ...] | None
+
+    def row(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> tuple[tuple, float]:
+        """``plan``'s row as a fresh process measures it (:func:`~shrinkwrap.compare._row`), with
+        the seconds it took and what it reads; and what it reads again, the key of the second
+        turns (a row without a figure last)."""
+        started = time.perf_counter()
+        result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
+        mem = self.metric(_as_row(plan, result, matched, skipped, "compiled"))
+        mem = math.inf if mem is None else float(mem)
+        return (result, matched, skipped, time.perf_counter() - started, mem), mem
+
+    def timed(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, first: tuple,
+              before: list[float]) -> tuple[tuple, float]:
+        """The second turn: ``plan`` timed in turns with the baseline (a few seconds, against a
+        compilation where the autoplan process times it), unless its row decides nothing by its
+        time: no figure, over the budget, or outdone (:func:`~.choose._outdone`) by a row within
+        the limits, measured before or timed in a turn ``before`` this one. Returns the row, the
+        timings (None: not timed) and the seconds of each turn, as :meth:`_Search.compiled` reads
+        them; and what this plan reads where it is now within the limits (else infinity)."""
+        result, matched, skipped, row_s, mem = first
+        started = time.perf_counter()
+        timings = None
+        if self.slowdown is not None and math.isfinite(mem) and (self.target is None or mem <= self.target) \
+                and not (self.within is not None and _outdone(mem, [*self.within, *before])):
+            device = torch.device(options.device)
+            timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options,
+                                    self.slowdown, self.tolerance)
+        within = timings is not None and self.within is not None and \
+            within_slowdown(*timings, self.slowdown, self.tolerance)
+        seconds = (row_s, None if timings is None else time.perf_counter() - started)
+        return (result, matched, skipped, timings, seconds), mem if within else math.inf
 
 
 def _cache_counts() -> tuple[int, int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import math
 import time
@@ -25,10 +24,9 @@ from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
-from .choose import Effect, _plan, _effects, _search, _raised, _covered, _without
-from .compiled import _budgeted, _every_block, _Ahead, _cache_counts, _measured_there
+from .choose import SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone, _without
+from .compiled import _budgeted, _every_block, _Ahead, _cache_counts, _Turn
 
-SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
 BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
 # and this much of the time limit is added to the room regions are left unmeasured against (on_top)
 
@@ -314,10 +312,7 @@ class _Search:
         that reads more than :data:`SAME_MEMORY` less. Its timing in turns then decides nothing
         (a compiled plan's is a second compilation, from the caches, and rounds of the eager
         baseline beside it)."""
-        if not self.least_memory:
-            return False
-        mem = self.metric(row)
-        return any(self.fits(r) and (1 + SAME_MEMORY) * self.metric(r) < mem for r in beside)
+        return self.least_memory and _outdone(self.metric(row), [self.metric(r) for r in beside if self.fits(r)])
 
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
         return _search(effects, mem, t, target, self.max_t, self.speedups)
@@ -617,7 +612,7 @@ class _Search:
         every = _every_block(final, step, self.model)  # the one-line recipe, compiled
         plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
-        there = self.compile_ahead(plans, step.steps[0], progress)
+        there = self.compile_ahead(plans, step.steps[0], progress, tried)
         before = _cache_counts() if self.ahead else None
         rows = []
         for i, plan in enumerate(plans):
@@ -639,7 +634,8 @@ class _Search:
             progress(len(plans), len(plans), "compiled plans measured")
         return rows
 
-    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None) -> dict[Plan, tuple]:
+    def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None,
+                      beside: list[Row] = ()) -> dict[Plan, tuple]:
         """Compile ``plans`` (those not measured yet) in processes side by side first
         (:func:`~shrinkwrap.processes.compile_ahead`), as many at once as the GPU's free memory
         holds at the baseline's peak each: on CUDA, with inductor (the backend whose work is kept
@@ -648,8 +644,9 @@ class _Search:
         resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches.
 
         Where every plan's process runs at once, each is then measured there, one process at a
-        time once all have compiled (:func:`_measured_there`): returns those plans' rows and
-        timings in turns. The others this process compiles from the on-disk caches."""
+        time once all have compiled, and timed in turns there, least memory first, unless a row
+        ``beside`` them or timed before it answers first (:class:`_Turn`): returns those plans'
+        rows and timings in turns. The others this process compiles from the on-disk caches."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
@@ -660,10 +657,11 @@ class _Search:
         started = time.perf_counter()
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
-        limit = None if self.max_t is None else (self.max_slowdown, self.tolerance)
+        within = tuple(self.metric(r) for r in beside if self.fits(r)) if self.least_memory else None
+        turn = _Turn(self.metric, None if self.max_t is None else self.max_slowdown, self.tolerance, self.target, within)
         # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
         # process, and a row measured there after them would read it.
-        then = None if step.mode == "reduce-overhead" else functools.partial(_measured_there, limit=limit)
+        graphed = step.mode == "reduce-overhead"
         compiling: list[float] = []
         first: list[float] = []
 
@@ -675,7 +673,8 @@ class _Search:
                                         "it compiled, one at a time")
 
         at_once, out = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room,
-                                     then=then, compiled=compiled)
+                                     then=None if graphed else turn.row, compiled=compiled,
+                                     after=None if graphed else turn.timed)
         if not at_once:
             return {}
         there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
