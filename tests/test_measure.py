@@ -536,6 +536,27 @@ def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_w
     assert all(b - a >= 0.2 for a, b in zip([t[2] for t in turns], [t[2] for t in turns[1:]]))
 
 
+def _slow_to_exit(make, plan, batch, options):
+    """``then`` of a process that takes 4 s to exit once told to (a finalizer, as a compiler's
+    worker pool shutting down)."""
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, time.sleep, args=(4,), exitpriority=0)
+    return time.time()
+
+
+def test_processes_ahead_whose_turns_end_together_exit_side_by_side():
+    from shrinkwrap.processes import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    plans = [sw.Plan.parse("compile(backend='eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='eager')"),
+             sw.Plan.parse("checkpoint('2'), compile(backend='eager')")]
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"),
+                                 then=_slow_to_exit)
+    # One after another, the last would be gone 12 s after its turn.
+    assert at_once == 3 and 4 <= time.time() - max(out) < 8
+
+
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():
     """Setting float32 matmul precision to the "highest" it already was turns torch's cache key
     (``fp32_precision``) from "none" to "ieee": every graph a process ahead compiled then missed

@@ -380,8 +380,14 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
     watching = turns is not None and compiled is not None
+    # Pools told to stop are ended together, so their processes exit side by side: ended as each
+    # result comes, processes whose turns end at once (plans not timed) would exit one by one.
+    stopped: list[tuple] = []
     try:
         while waiting or running:
+            if waiting and len(running) < at_once:
+                while stopped:  # gone, and their memory with them, before the next one starts
+                    _end(stopped.pop(), grace=10)
             while waiting and len(running) < at_once:
                 i, plan = waiting.pop(0)
                 pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
@@ -400,11 +406,13 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                     out[i] = _said(exc)
                     if turns is not None:
                         turns.broken.value = 1  # the others' turns never come: they end without one
-                _end(_stop(pool), grace=10)  # gone, and its memory with it, before the next one starts
+                stopped.append(_stop(pool))
     except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
         for i, _ in waiting + list(running.values()):
             out[i] = _said(exc)
     finally:
+        for ending in stopped:
+            _end(ending, grace=10)
         for _, pool in running.values():
             _end(_stop(pool), grace=0)
     return at_once, out
