@@ -536,6 +536,30 @@ def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_w
     assert all(b - a >= 0.2 for a, b in zip([t[2] for t in turns], [t[2] for t in turns[1:]]))
 
 
+def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_its_turns(monkeypatch):
+    import functools
+
+    from shrinkwrap import processes
+    from shrinkwrap.measure.step import Options
+
+    monkeypatch.setattr(processes, "_held", lambda device, room: 2)  # the GPU's memory holds two
+    options = Options(iterations=1, warmup=1, device="cpu")
+    plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
+             sw.Plan.parse("checkpoint('2'), compile(backend='aot_eager')")]
+    keys = {str(plans[0]): 2.0, str(plans[1]): 1.0, str(plans[2]): 0.5}
+    told = []
+    at_once, out = processes.compile_ahead(mlp, plans, torch.randn(16, 32), options,
+                                           then=functools.partial(_keyed, keys=keys), after=_second,
+                                           compiled=lambda seconds: told.append((time.time(), seconds)))
+    assert at_once == 2 and [text for text, *_ in out] == [str(p) for p in plans]
+    first, second, last = out[1], out[0], out[2]  # the first wave by key, then the second wave
+    assert [before for *_, before in (first, second, last)] == [[], [0.0], [0.0, 1.0]]
+    assert second[2] < last[1]  # the second wave's turns after the first wave's
+    # Told once, when the last wave had compiled, with every plan's first iterations.
+    ((when, seconds),) = told
+    assert second[2] < when and len(seconds) == 3 and all(s > 0 for s in seconds)
+
+
 def _slow_to_exit(make, plan, batch, options):
     """``then`` of a process that takes 4 s to exit once told to (a finalizer, as a compiler's
     worker pool shutting down)."""
@@ -554,7 +578,7 @@ def test_processes_ahead_whose_turns_end_together_exit_side_by_side():
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"),
                                  then=_slow_to_exit)
     # One after another, the last would be gone 12 s after its turn.
-    assert at_once == 3 and 4 <= time.time() - max(out) < 8
+    assert at_once == 3 and 4 <= time.time() - max(out) < 10
 
 
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():

@@ -226,17 +226,18 @@ class _Turns:
     compiled: Any  # multiprocessing RawArray of one byte a plan
     broken: Any  # multiprocessing RawValue
     lock: Any  # multiprocessing Lock
-    seconds: Any  # multiprocessing RawArray of doubles: each plan's first iterations, in seconds
+    seconds: Any  # multiprocessing RawArray of doubles: each plan's first iterations, in seconds (NaN: not run)
     keys: Any  # RawArray of doubles: each plan's key from its first turn (the second turns' order)
     firsts: Any  # RawArray of one byte a plan: its first turn is over
-    taken: Any  # RawValue: how many second turns were taken
+    taken: Any  # RawValue: how many second turns were taken, an earlier wave's too
     left: Any  # RawArray of doubles: what each second turn left for the later ones, in turn order
 
     @classmethod
-    def make(cls, context: Any, n: int) -> "_Turns":
-        return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(), context.RawArray("d", n),
-                   context.RawArray("d", n), context.RawArray("b", n), context.RawValue("i", 0),
-                   context.RawArray("d", [math.inf] * n))
+    def make(cls, context: Any, n: int, before: Sequence[float] = ()) -> "_Turns":
+        """Turns for ``n`` processes, after second turns (of an earlier wave) that left ``before``."""
+        return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(), context.RawArray("d", [math.nan] * n),
+                   context.RawArray("d", n), context.RawArray("b", n), context.RawValue("i", len(before)),
+                   context.RawArray("d", [*before] + [math.inf] * n))
 
     def _until(self, ready: Callable[[], bool]) -> bool:
         """Poll until ``ready()``; False where a process died first."""
@@ -260,13 +261,14 @@ class _Turns:
 
     def second(self, i: int, key: float) -> int | None:
         """Plan ``i``'s first turn gave ``key``: wait until every plan's first turn is over and
-        then for this plan's second turn, by key (least first; alike keys in plan order). Returns
-        its place among the second turns; None where a process died first."""
+        then for this plan's second turn, by key (least first; alike keys in plan order), after
+        an earlier wave's. Returns its place among the second turns; None where a process died
+        first."""
         self.keys[i] = key if key == key else math.inf  # NaN would not sort
         self.firsts[i] = 1
         if not self._until(lambda: all(self.firsts)):
             return None
-        place = sorted(range(len(self.keys)), key=lambda j: (self.keys[j], j)).index(i)
+        place = len(self.left) - len(self.keys) + sorted(range(len(self.keys)), key=lambda j: (self.keys[j], j)).index(i)
         return place if self._until(lambda: self.taken.value == place) else None
 
 
@@ -311,6 +313,14 @@ def _unsendable(args: tuple) -> str | None:
         return str(exc)
 
 
+def _held(device: torch.device, room: int | None) -> int | None:
+    """How many processes of a row of ``room`` bytes each the device's free memory holds; None:
+    no limit (not CUDA, or no ``room``)."""
+    if device.type != "cuda" or room is None:
+        return None
+    return int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN))
+
+
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None, then: Callable | None = None,
                   compiled: Callable[[list[float]], None] | None = None,
@@ -322,20 +332,24 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     (one process ahead of this one only adds its start) or the plans cannot be sent to a process.
 
     ``then``: what each process does next, once every plan has compiled (nothing compiles beside
-    it), one process at a time: ``then(make, plan, batch, options)``, a module-level function
-    whose result takes the error's place (a plan that failed to compile gets it too: its row says
-    what failed). Only where every plan's process runs at once (a process waiting for its turn
-    holds the GPU memory it compiled with); else, and for a process whose turn never came (one
-    beside it died, which ends the others' waiting), the plan's entry is its error or None, as
-    without ``then``. With ``then``, ``compiled(seconds)`` (which must not raise) is called
-    here within :data:`TURN_POLL` seconds of the last plan's compiling, with the seconds each
-    plan's first iterations took (where the time went: compiling, then measuring); never where
-    a process died first.
+    it), one process at a time: ``then(make, plan, batch, options)``, a function that pickles
+    (module-level, or a method of a module-level class's instance) whose result takes the error's place (a plan that failed to compile gets it too: its row says
+    what failed). Where not every plan's process runs at once (a process waiting for its turn
+    holds what it compiled, and its CUDA context), the plans go in waves of as many as do, each
+    wave compiling side by side and then taking its turns before the next one starts. For a
+    process whose turn never came (one beside it died, which ends the others' waiting), the
+    plan's entry is its error or None, as without ``then``. With ``then``, ``compiled(seconds)``
+    (which must not raise) is called here within :data:`TURN_POLL` seconds of the last plan's
+    compiling, with the seconds each plan's first iterations took (where the time went:
+    compiling, then measuring; NaN for a plan of an earlier wave whose process died first);
+    never where a process of the last wave died first. An exception in ``then`` or ``after``
+    ends the others' turns as a process that died does.
 
     ``after``: with ``then``, each process's second turn, once every first turn is over (``then``
     then returns its result and a number, the key), one process at a time, least key first (alike
     keys in plan order): ``after(make, plan, batch, options, result, before)``, where ``result`` is
-    what its ``then`` returned and ``before`` the numbers the earlier second turns left. It returns
+    what its ``then`` returned and ``before`` the numbers the earlier second turns left (an
+    earlier wave's first). It returns
     the plan's entry and the number it leaves for the later ones (a turn can depend on what the
     earlier ones found: a plan outdone by one before it need not be timed).
 
@@ -359,9 +373,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     """
     device = resolve_device(options.device)
     _main_last()
-    at_once = len(plans)
-    if device.type == "cuda" and room is not None:
-        at_once = min(at_once, int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN)))
+    held = _held(device, room)
+    at_once = len(plans) if held is None else min(len(plans), held)
     if at_once < 2:
         return 0, []
     options = dataclasses.replace(options, device=str(device))
@@ -370,34 +383,41 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         settings = compile_settings()
     except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
         return 0, []
-    if at_once < len(plans):
-        then = after = None
     if _unsendable((make, list(plans), batch, options, settings, then, after)):
         return 0, []
     context = multiprocessing.get_context("spawn")
-    turns = None if then is None else _Turns.make(context, len(plans))
+    turns: _Turns | None = None
+    seconds: list[float] = []  # each plan's first iterations, of the waves before
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
-    watching = turns is not None and compiled is not None
+    watching = False
     # Pools told to stop are ended together, so their processes exit side by side: ended as each
     # result comes, processes whose turns end at once (plans not timed) would exit one by one.
     stopped: list[tuple] = []
     try:
         while waiting or running:
-            if waiting and len(running) < at_once:
+            # With ``then``, in waves of as many as run at once, each taking its turns once all of
+            # it has compiled; else each plan starts as a process ends.
+            if waiting and len(running) < at_once and (then is None or not running):
                 while stopped:  # gone, and their memory with them, before the next one starts
                     _end(stopped.pop(), grace=10)
-            while waiting and len(running) < at_once:
-                i, plan = waiting.pop(0)
-                pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
-                                                              initargs=(turns,))
-                running[pool.submit(_ahead, make, plan, batch, options, settings, then, i, after)] = (i, pool)
+                if then is not None:
+                    before = [] if turns is None else list(turns.left)
+                    seconds += [] if turns is None else list(turns.seconds)
+                    turns = _Turns.make(context, min(at_once, len(waiting)), before)
+                    watching = compiled is not None and len(waiting) <= at_once  # the last wave
+                while waiting and len(running) < at_once:
+                    i, plan = waiting.pop(0)
+                    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_take_turns,
+                                                                  initargs=(turns,))
+                    running[pool.submit(_ahead, make, plan, batch, options, settings, then, i % at_once,
+                                        after)] = (i, pool)
             done, _ = concurrent.futures.wait(running, timeout=TURN_POLL if watching else None,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             if watching and all(turns.compiled):
                 watching = False
-                compiled(list(turns.seconds))
+                compiled(seconds + list(turns.seconds))
             for future in done:
                 i, pool = running.pop(future)
                 try:

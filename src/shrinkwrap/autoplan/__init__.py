@@ -36,9 +36,10 @@ the measuring harness's (``shrinkwrap.measure.ratios``).
    measured wins, and where an eager plan does, a note says why. Four compilations or so, not
    one per candidate: compiled, every plan runs faster than eager, so the smallest set usually
    fits a step-time limit that it missed eager. With inductor on CUDA (not ``max-autotune``) the
-   plans compile side by side in fresh processes; where all run at once and none runs CUDA graphs
-   (``reduce-overhead``), each is then measured and timed in turns in its own, one at a time once
-   all have compiled. Otherwise they are measured in this process.
+   plans compile side by side in fresh processes; where at least two run at once and none runs
+   CUDA graphs (``reduce-overhead``), each is then measured in its own, one at a time once all
+   (of its wave, where the GPU holds fewer at once) have compiled, and timed in turns there where
+   its time can decide. Otherwise they are measured in this process.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
         if checked is not None:
             return Plan(), report
         report.notes.append("the model as it is did not train under the budget's cap: autoplan searches on")
-    # Rows are read by the report's metric; a copy without rows travels to the processes ahead.
+    # A copy of the report without its rows reads rows: it travels to the processes ahead light.
     search = _Search(rows, probe, dataclasses.replace(report, rows=[], notes=[]).value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
                      max_slowdown, tolerance)

@@ -159,7 +159,8 @@ class _Turn:
         time: no figure, over the budget, or outdone (:func:`~.choose._outdone`) by a row within
         the limits, measured before or timed in a turn ``before`` this one. Returns the row, the
         timings (None: not timed) and the seconds of each turn, as :meth:`_Search.compiled` reads
-        them; and what this plan reads where it is now within the limits (else infinity)."""
+        them; and, where the answer is the least memory within the limits, what this plan reads
+        if it is now within them (else infinity)."""
         result, matched, skipped, row_s, mem = first
         started = time.perf_counter()
         timings = None

@@ -591,9 +591,9 @@ class _Search:
         each with ``step`` (a plan of one compile step) last, the verified plan's budgeted form
         (:func:`_budgeted`), and the smallest set's where it keeps a region, and the verified
         plan with every block checkpointed instead of its regions (:func:`_every_block`). With
-        inductor on CUDA they compile side by side in fresh processes, and where all run at once
-        and the plans run no CUDA graphs, each is measured and timed in turns in its own
-        (:meth:`compile_ahead`). Otherwise each is measured as the
+        inductor on CUDA they compile side by side in fresh processes, and where two or more run
+        at once and the plans run no CUDA graphs, each is measured in its own, and timed in turns
+        there where its time can decide (:meth:`compile_ahead`). Otherwise each is measured as the
         verified plans are (:meth:`measure_chosen`) but in this process: the timing in turns
         compiles the plan here anyway, and a fresh process would compile it a second time (on an
         H100 that was most of autoplan's time: 114 of 149 s on resnet18); without a budget (or
@@ -643,10 +643,13 @@ class _Search:
         beside other processes, the choice would be kept in the cached graph). On an H100,
         resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches.
 
-        Where every plan's process runs at once, each is then measured there, one process at a
-        time once all have compiled, and timed in turns there, least memory first, unless a row
-        ``beside`` them or timed before it answers first (:class:`_Turn`): returns those plans'
-        rows and timings in turns. The others this process compiles from the on-disk caches."""
+        Unless the plans run CUDA graphs, each is then measured there, one process at a time once
+        all have compiled (in waves of as many as run at once, where fewer do), and timed in
+        turns there, least memory first (within its wave),
+        unless a row ``beside`` them or timed before it answers first (:class:`_Turn`): returns
+        those plans' rows and timings in turns. The others this process compiles from the
+        on-disk caches. On an H100 (80 GB) maxvit_t @64's baseline, 19311 MiB at its peak,
+        leaves room for three such processes at once, not its four plans'."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
@@ -667,10 +670,10 @@ class _Search:
 
         def compiled(seconds: list[float]) -> None:
             compiling.append(time.perf_counter() - started)
-            first.extend(seconds)
+            first.extend(s for s in seconds if not math.isnan(s))
             if progress:
-                progress(0, len(plans), f"{len(plans)} plans compiled in {compiling[0]:.1f} s; measuring each where "
-                                        "it compiled, one at a time")
+                progress(0, len(plans), f"the last of {len(plans)} plans compiled after {compiling[0]:.1f} s; "
+                                        "measuring where they compiled, one at a time")
 
         at_once, out = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room,
                                      then=None if graphed else turn.row, compiled=compiled,
