@@ -536,6 +536,41 @@ def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_w
     assert all(b - a >= 0.2 for a, b in zip([t[2] for t in turns], [t[2] for t in turns[1:]]))
 
 
+def _keyed_raising(make, plan, batch, options, keys, bad):
+    """``then`` that raises for the plan ``bad``."""
+    if str(plan) == bad:
+        raise RuntimeError("no row (a stand-in)")
+    return _keyed(make, plan, batch, options, keys)
+
+
+def _second_raising(make, plan, batch, options, ended, before, bad):
+    """``after`` that raises for the plan ``bad``."""
+    if str(plan) == bad:
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+    return _second(make, plan, batch, options, ended, before)
+
+
+def test_a_turn_that_raises_is_its_plans_entry_and_the_others_turns_go_on():
+    import functools
+
+    from shrinkwrap.processes import compile_ahead
+    from shrinkwrap.measure.step import Options
+
+    options = Options(iterations=1, warmup=1, device="cpu")
+    plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
+             sw.Plan.parse("checkpoint('2'), compile(backend='aot_eager')")]
+    keys = {str(plans[0]): 3.0, str(plans[1]): 1.0, str(plans[2]): 2.0}
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=functools.partial(_keyed, keys=keys),
+                                 after=functools.partial(_second_raising, bad=str(plans[2])))
+    assert at_once == 3 and out[2] == "RuntimeError: CUDA out of memory (a stand-in)"
+    # The one after it still had its turn, told what the one before it left and that the failed one left nothing.
+    assert out[1][3] == [] and out[0][3] == [0.0, float("inf")]
+    # One that raises in its first turn: its second passes, and the others' go on.
+    at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options,
+                                 then=functools.partial(_keyed_raising, keys=keys, bad=str(plans[1])), after=_second)
+    assert out[1].startswith("RuntimeError") and out[2][3] == [] and out[0][3] == [0.0]
+
+
 def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_its_turns(monkeypatch):
     import functools
 

@@ -282,26 +282,39 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     """A process ahead's work (:func:`compile_ahead`): plan ``i``'s first iterations, then, with
     ``then``, once every process has run its own, ``then``'s result, one process at a time (and
     with ``after``, a second turn: ``after``'s result); or the first iterations' error or None,
-    where a turn never came."""
+    where a turn never came. An exception in a turn is this plan's entry, what it says: the
+    others' turns go on (a plan out of memory where it is timed beside the baseline fails alone)."""
     started = time.perf_counter()
     error = _first_steps(make, plan, batch, options, settings)
     if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
         return error
     try:
         result = then(make, plan, batch, options)
+    except Exception as exc:  # noqa: BLE001 - this plan's failure, not the end of the others' turns
+        result = _Failed(_said(exc))
     finally:
         _TURNS.lock.release()
     if after is None:
-        return result
-    result, key = result
+        return result.said if isinstance(result, _Failed) else result
+    result, key = (result, math.inf) if isinstance(result, _Failed) else result
     place = _TURNS.second(i, key)
     if place is None:
         return error
     try:
-        result, _TURNS.left[place] = after(make, plan, batch, options, result, list(_TURNS.left[:place]))
+        if not isinstance(result, _Failed):  # one that failed leaves nothing: its turn passes
+            result, _TURNS.left[place] = after(make, plan, batch, options, result, list(_TURNS.left[:place]))
+    except Exception as exc:  # noqa: BLE001 - as in the first turn
+        result = _Failed(_said(exc))
     finally:
         _TURNS.taken.value += 1  # only the process whose turn it is writes it
-    return result
+    return result.said if isinstance(result, _Failed) else result
+
+
+@dataclasses.dataclass
+class _Failed:
+    """What a turn of a process ahead raised (:func:`_ahead`), as text."""
+
+    said: str
 
 
 def _unsendable(args: tuple) -> str | None:
@@ -342,8 +355,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     (which must not raise) is called here within :data:`TURN_POLL` seconds of the last plan's
     compiling, with the seconds each plan's first iterations took (where the time went:
     compiling, then measuring; NaN for a plan of an earlier wave whose process died first);
-    never where a process of the last wave died first. An exception in ``then`` or ``after``
-    ends the others' turns as a process that died does.
+    never where a process of the last wave died first. An exception in ``then`` or ``after`` is
+    the plan's entry (its text), and the others' turns go on.
 
     ``after``: with ``then``, each process's second turn, once every first turn is over (``then``
     then returns its result and a number, the key), one process at a time, least key first (alike
