@@ -235,9 +235,9 @@ class _Turns:
     @classmethod
     def make(cls, context: Any, n: int, before: Sequence[float] = ()) -> "_Turns":
         """Turns for ``n`` processes, after second turns (of an earlier wave) that left ``before``."""
-        return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(), context.RawArray("d", [math.nan] * n),
-                   context.RawArray("d", n), context.RawArray("b", n), context.RawValue("i", len(before)),
-                   context.RawArray("d", [*before] + [math.inf] * n))
+        return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(),
+                   context.RawArray("d", [math.nan] * n), context.RawArray("d", n), context.RawArray("b", n),
+                   context.RawValue("i", len(before)), context.RawArray("d", [*before] + [math.inf] * n))
 
     def _until(self, ready: Callable[[], bool]) -> bool:
         """Poll until ``ready()``; False where a process died first."""
@@ -268,7 +268,8 @@ class _Turns:
         self.firsts[i] = 1
         if not self._until(lambda: all(self.firsts)):
             return None
-        place = len(self.left) - len(self.keys) + sorted(range(len(self.keys)), key=lambda j: (self.keys[j], j)).index(i)
+        order = sorted(range(len(self.keys)), key=lambda j: (self.keys[j], j))
+        place = len(self.left) - len(self.keys) + order.index(i)  # after the earlier waves' turns
         return place if self._until(lambda: self.taken.value == place) else None
 
 
@@ -346,8 +347,9 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
 
     ``then``: what each process does next, once every plan has compiled (nothing compiles beside
     it), one process at a time: ``then(make, plan, batch, options)``, a function that pickles
-    (module-level, or a method of a module-level class's instance) whose result takes the error's place (a plan that failed to compile gets it too: its row says
-    what failed). Where not every plan's process runs at once (a process waiting for its turn
+    (module-level, or a method of a module-level class's instance) whose result takes the error's
+    place (a plan that failed to compile gets it too: its row says what failed). Where not every
+    plan's process runs at once (a process waiting for its turn
     holds what it compiled, and its CUDA context), the plans go in waves of as many as do, each
     wave compiling side by side and then taking its turns before the next one starts. For a
     process whose turn never came (one beside it died, which ends the others' waiting), the
@@ -362,9 +364,9 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     then returns its result and a number, the key), one process at a time, least key first (alike
     keys in plan order): ``after(make, plan, batch, options, result, before)``, where ``result`` is
     what its ``then`` returned and ``before`` the numbers the earlier second turns left (an
-    earlier wave's first). It returns
-    the plan's entry and the number it leaves for the later ones (a turn can depend on what the
-    earlier ones found: a plan outdone by one before it need not be timed).
+    earlier wave's first). It returns the plan's entry and the number it leaves for the later
+    ones (a turn can depend on what the earlier ones found: a plan outdone by one before it need
+    not be timed).
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as

@@ -661,7 +661,8 @@ class _Search:
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
         within = tuple(self.metric(r) for r in beside if self.fits(r)) if self.least_memory else None
-        turn = _Turn(self.metric, None if self.max_t is None else self.max_slowdown, self.tolerance, self.target, within)
+        turn = _Turn(self.metric, None if self.max_t is None else self.max_slowdown, self.tolerance, self.target,
+                     within)
         # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
         # process, and a row measured there after them would read it.
         graphed = step.mode == "reduce-overhead"
