@@ -289,33 +289,27 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     error = _first_steps(make, plan, batch, options, settings)
     if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
         return error
+    failed = None  # what a turn raised, as text: the plan's entry
     try:
         result = then(make, plan, batch, options)
     except Exception as exc:  # noqa: BLE001 - this plan's failure, not the end of the others' turns
-        result = _Failed(_said(exc))
+        failed = _said(exc)
     finally:
         _TURNS.lock.release()
     if after is None:
-        return result.said if isinstance(result, _Failed) else result
-    result, key = (result, math.inf) if isinstance(result, _Failed) else result
+        return failed or result
+    result, key = (None, math.inf) if failed else result
     place = _TURNS.second(i, key)
     if place is None:
         return error
     try:
-        if not isinstance(result, _Failed):  # one that failed leaves nothing: its turn passes
+        if not failed:  # one that failed leaves nothing: its turn passes
             result, _TURNS.left[place] = after(make, plan, batch, options, result, list(_TURNS.left[:place]))
     except Exception as exc:  # noqa: BLE001 - as in the first turn
-        result = _Failed(_said(exc))
+        failed = _said(exc)
     finally:
         _TURNS.taken.value += 1  # only the process whose turn it is writes it
-    return result.said if isinstance(result, _Failed) else result
-
-
-@dataclasses.dataclass
-class _Failed:
-    """What a turn of a process ahead raised (:func:`_ahead`), as text."""
-
-    said: str
+    return failed or result
 
 
 def _unsendable(args: tuple) -> str | None:

@@ -27,6 +27,14 @@ def _outdone(mem: float, within: list[float]) -> bool:
     return any((1 + SAME_MEMORY) * m < mem for m in within)
 
 
+def _timing_decides(mem: float | None, target: float | None, within: list[float] | None) -> bool:
+    """Whether timing a plan that reads ``mem`` (None: its row has no figure) in turns with the
+    baseline can decide anything: within the budget ``target``, and where the answer is the least
+    memory within the limits (``within``: what the rows within them read; None where the answer is
+    the fastest plan within the budget), not :func:`_outdone` by one of them."""
+    return mem is not None and (target is None or mem <= target) and not (within is not None and _outdone(mem, within))
+
+
 @dataclasses.dataclass
 class Effect:
     """A candidate measured alone: bytes saved and milliseconds added against the baseline."""

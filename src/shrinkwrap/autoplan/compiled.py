@@ -23,7 +23,7 @@ from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
 from ..transforms.layout import ChannelsLast, SpaceToDepth
-from .choose import _outdone
+from .choose import _timing_decides
 
 PARTITIONER_BUDGET = 0.6  # the compile stage's memory budget for the partitioner (see _budgeted)
 
@@ -149,23 +149,22 @@ class _Turn:
         started = time.perf_counter()
         result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
         mem = self.metric(_as_row(plan, result, matched, skipped, "compiled"))
-        mem = math.inf if mem is None else float(mem)
-        return (result, matched, skipped, time.perf_counter() - started, mem), mem
+        return (result, matched, skipped, time.perf_counter() - started, mem), math.inf if mem is None else float(mem)
 
     def timed(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, first: tuple,
               before: list[float]) -> tuple[tuple, float]:
         """The second turn: ``plan`` timed in turns with the baseline (a few seconds, against a
         compilation where the autoplan process times it), unless its row decides nothing by its
-        time: no figure, over the budget, or outdone (:func:`~.choose._outdone`) by a row within
-        the limits, measured before or timed in a turn ``before`` this one. Returns the row, the
+        time (:func:`~.choose._timing_decides`): no figure, over the budget, or outdone by a row
+        within the limits, measured before or timed in a turn ``before`` this one. Returns the row, the
         timings (None: not timed) and the seconds of each turn, as :meth:`_Search.compiled` reads
         them; and, where the answer is the least memory within the limits, what this plan reads
         if it is now within them (else infinity)."""
         result, matched, skipped, row_s, mem = first
         started = time.perf_counter()
         timings = None
-        if self.slowdown is not None and math.isfinite(mem) and (self.target is None or mem <= self.target) \
-                and not (self.within is not None and _outdone(mem, [*self.within, *before])):
+        if self.slowdown is not None and _timing_decides(mem, self.target,
+                                                         None if self.within is None else [*self.within, *before]):
             device = torch.device(options.device)
             timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options,
                                     self.slowdown, self.tolerance)

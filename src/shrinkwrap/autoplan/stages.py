@@ -24,7 +24,8 @@ from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
-from .choose import SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone, _without
+from .choose import (SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone, _timing_decides,
+                     _without)
 from .compiled import _budgeted, _every_block, _Ahead, _cache_counts, _Turn
 
 BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
@@ -301,10 +302,15 @@ class _Search:
         is false), and where it fits the budget, timed in turns with the baseline for the
         step-time limit, unless a row ``beside`` it already answers before it (:meth:`outdone`)."""
         row = self.rows([plan], isolate)[0]
-        if row.profile is not None and (self.target is None or self.metric(row) <= self.target) \
-                and not self.outdone(row, beside):
+        if _timing_decides(self.metric(row) if row.profile is not None else None, self.target, self.within(beside)):
             self.time_against_baseline(plan)
         return row
+
+    def within(self, rows: list[Row]) -> list[float] | None:
+        """What the ``rows`` within the limits read, where the answer is the least memory within
+        them (a plan reading more than :data:`SAME_MEMORY` more is outdone); None where it is the
+        fastest plan within the budget."""
+        return [self.metric(r) for r in rows if self.fits(r)] if self.least_memory else None
 
     def outdone(self, row: Row, beside: list[Row]) -> bool:
         """Whether :meth:`final` answers with a row of ``beside`` before ``row`` whatever ``row``'s
@@ -312,7 +318,8 @@ class _Search:
         that reads more than :data:`SAME_MEMORY` less. Its timing in turns then decides nothing
         (a compiled plan's is a second compilation, from the caches, and rounds of the eager
         baseline beside it)."""
-        return self.least_memory and _outdone(self.metric(row), [self.metric(r) for r in beside if self.fits(r)])
+        within = self.within(beside)
+        return within is not None and _outdone(self.metric(row), within)
 
     def search(self, effects: list[Effect], mem: float, t: float, target: float | None = None) -> list[Effect]:
         return _search(effects, mem, t, target, self.max_t, self.speedups)
@@ -645,11 +652,11 @@ class _Search:
 
         Unless the plans run CUDA graphs, each is then measured there, one process at a time once
         all have compiled (in waves of as many as run at once, where fewer do), and timed in
-        turns there, least memory first (within its wave),
-        unless a row ``beside`` them or timed before it answers first (:class:`_Turn`): returns
-        those plans' rows and timings in turns. The others this process compiles from the
-        on-disk caches. On an H100 (80 GB) maxvit_t @64's baseline, 19311 MiB at its peak,
-        leaves room for three such processes at once, not its four plans'."""
+        turns there, least memory first (within its wave), unless a row ``beside`` them or timed
+        before it answers first (:class:`_Turn`): returns those plans' rows and timings in turns.
+        The others this process compiles from the on-disk caches. On an H100 (80 GB) maxvit_t
+        @64's baseline, 19311 MiB at its peak, leaves room for three such processes at once, not
+        its four plans'."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
@@ -660,9 +667,9 @@ class _Search:
         started = time.perf_counter()
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
-        within = tuple(self.metric(r) for r in beside if self.fits(r)) if self.least_memory else None
+        within = self.within(beside)
         turn = _Turn(self.metric, None if self.max_t is None else self.max_slowdown, self.tolerance, self.target,
-                     within)
+                     None if within is None else tuple(within))
         # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
         # process, and a row measured there after them would read it.
         graphed = step.mode == "reduce-overhead"
