@@ -304,6 +304,24 @@ def multigpu_section() -> list[str]:
     return out + [f"Runs: {stamp(rows)}.", ""]
 
 
+def compile_time_section() -> list[str]:
+    hows = ("whole", "regional", "module_compile")
+    rows = sorted(latest(load("compile_time.json"), lambda r: (r["model"], r["how"])),
+                  key=lambda r: (r["model"], hows.index(r["how"])))
+    if not rows:
+        return []
+    out = ["## A cold compilation, whole or by regions", "",
+           "`benchmarks/compile_time.py`: one torchvision classifier at batch 64 under bf16 autocast, the compiler's "
+           "caches empty, each row a process of its own (three models side by side, one a GPU, on one host). "
+           "whole: `compile()`; regional: `compile(pattern=...)` over autoplan's blocks, a code object each; "
+           "module_compile: torch's `nn.Module.compile()` on each block, one code object for all.", ""]
+    out += table(["model", "how", "blocks", "graphs", "first iteration s", "step ms (low-high)", "activation MiB"],
+                 [[r["model"], r["how"], str(r["blocks"]), str(r.get("graphs", "-")),
+                   num(r.get("first_s")) if "error" not in r else f"error: {r['error']}",
+                   spread(r) if "step_ms" in r else "-", num(r.get("activation_mib"))] for r in rows])
+    return out + [f"Runs: {stamp(rows)}.", ""]
+
+
 # -- autoplan on the zoo -----------------------------------------------------------------------------
 ZOO_ROWS = ("ckpt_every_block+bf16", "ckpt_every_block+bf16_compiled", "compile_budget0.5+bf16")
 ZOO_AUTO = ("auto_fast", "auto_small", "auto_compile")
@@ -421,7 +439,8 @@ def make() -> str:
              "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
              "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
              "turns.", ""]
-    for section in (fits_section, bill_section, frontier_section, zoo_section, lm_section, multigpu_section):
+    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, lm_section,
+                    multigpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
 

@@ -654,9 +654,9 @@ class _Search:
         all have compiled (in waves of as many as run at once, where fewer do), and timed in
         turns there, least memory first (within its wave), unless a row ``beside`` them or timed
         before it answers first (:class:`_Turn`): returns those plans' rows and timings in turns.
-        The others this process compiles from the on-disk caches. On an H100 (80 GB) maxvit_t
-        @64's baseline, 19311 MiB at its peak, leaves room for three such processes at once, not
-        its four plans'."""
+        The others this process compiles from the on-disk caches. On an H100 (80 GB, torch 2.11)
+        the free memory held two processes at maxvit_t @64's baseline peak (19311 MiB): its four
+        plans went in two waves, the last compiled after 541 s."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
