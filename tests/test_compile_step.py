@@ -95,6 +95,36 @@ def test_twelve_sequential_regions_of_different_contents_are_each_compiled():
     assert counters["aot_autograd"]["ok"] == 12 and not counters["stats"].get("unique_graphs", 0) < 12
 
 
+class Block(nn.Module):
+    """A block of a class of its own: its call is nn.Module._call_impl, as every module's is."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, width), nn.Linear(width, 4)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_twelve_blocks_of_one_class_and_different_shapes_are_each_compiled():
+    # Through the one code object of their class's call (nn.Module._call_impl), dynamo compiles
+    # eight and runs the rest eagerly, with a warning in torch's log only.
+    model = nn.Sequential(*[Block(4 + i) for i in range(12)])
+    sw.apply(model, [sw.compile(backend="aot_eager", pattern=r"\d+")])
+    counters.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    assert counters["aot_autograd"]["ok"] == 12 and not counters["stats"].get("unique_graphs", 0) < 12
+    assert not counters["unimplemented"]  # no recompile limit met, no graph break
+
+
+def test_the_ninth_model_compiled_in_a_process_is_compiled_too():
+    counters.clear()
+    for i in range(12):
+        model = sw.apply(Block(4 + i), [sw.compile(backend="aot_eager")])
+        model(torch.randn(2, 4)).sum().backward()
+    assert counters["aot_autograd"]["ok"] == 12 and not counters["unimplemented"]
+
+
 def _train(plan):
     model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
     if plan:
