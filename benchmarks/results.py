@@ -305,16 +305,19 @@ def multigpu_section() -> list[str]:
 
 
 def compile_time_section() -> list[str]:
-    hows = ("whole", "regional", "module_compile")
+    hows = ("whole", "per_block", "shared_call")
     rows = sorted(latest(load("compile_time.json"), lambda r: (r["model"], r["how"])),
                   key=lambda r: (r["model"], hows.index(r["how"])))
     if not rows:
         return []
     out = ["## A cold compilation, whole or by regions", "",
            "`benchmarks/compile_time.py`: one torchvision classifier at batch 64 under bf16 autocast, the compiler's "
-           "caches empty, each row a process of its own (three models side by side, one a GPU, on one host). "
-           "whole: `compile()`; regional: `compile(pattern=...)` over autoplan's blocks, a code object each; "
-           "module_compile: torch's `nn.Module.compile()` on each block, one code object for all.", ""]
+           "caches empty, each row a process of its own, one GPU a model, its rows one after another (in the order "
+           "resnet152: whole, shared_call, per_block; efficientnet_b0: per_block, whole, shared_call; swin_t: "
+           "shared_call, per_block, whole), three models side by side on one host beside an autoplan run: not "
+           "under equal load. whole: `compile()`; per_block: autoplan's blocks compiled, each through a code "
+           "object of its own, the rest eager; shared_call: the blocks compiled through one code object as "
+           "torch's `nn.Module.compile()` does (those whose forward is torch's own, each through its own).", ""]
     out += table(["model", "how", "blocks", "graphs", "first iteration s", "step ms (low-high)", "activation MiB"],
                  [[r["model"], r["how"], str(r["blocks"]), str(r.get("graphs", "-")),
                    num(r.get("first_s")) if "error" not in r else f"error: {r['error']}",

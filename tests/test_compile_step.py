@@ -125,6 +125,40 @@ def test_the_ninth_model_compiled_in_a_process_is_compiled_too():
     assert counters["aot_autograd"]["ok"] == 12 and not counters["unimplemented"]
 
 
+def test_a_second_model_of_one_plan_runs_the_code_compiled_for_the_first():
+    # autoplan builds a plan's model afresh for each row and timing: compiling each again would
+    # be a compilation a build.
+    counters.clear()
+    graphs = []
+    for _ in range(2):
+        model = sw.apply(nn.Sequential(Block(4), Block(4), Block(6)), [sw.compile(backend="aot_eager", pattern=r"\d+")])
+        model(torch.randn(2, 4)).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0]
+
+
+class Breaks(nn.Module):
+    """A forward with two graph breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        h = torch.relu(h)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_graph_break_is_counted_once():
+    # Dynamo traces a break inside a compiled module twice: in the step's frame, then in the
+    # forward's.
+    model = sw.apply(Breaks(), [sw.compile(backend="aot_eager")])
+    assert sw.measure(model, torch.randn(2, 4), device="cpu", iterations=1, warmup=1).graph_breaks == 2
+
+
 def _train(plan):
     model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
     if plan:
