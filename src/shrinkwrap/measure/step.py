@@ -40,7 +40,6 @@ from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import compiled_how, require_module
-from ..transforms import compile as compile_step
 from .modules import Event, ForwardTimes, ModuleLog
 from .ranks import gather, local, rank_and_world
 from .saved import SavedTensors
@@ -815,14 +814,7 @@ def _recorded_whole(before: int | None, after: int | None, replayed: list[Any]) 
 
 
 def _dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters. A break
-    inside a module the compile step compiled is traced twice: in the step's own frame, which
-    then runs the module's call as it is, and again in the frame dynamo compiles next (the
-    forward's): counted once (unless dynamo handles breaks in nested frames where they are)."""
-    import torch._dynamo.config as dynamo_config  # imported already where a model is compiled
-    from torch._dynamo.utils import counters, graph_break_reasons
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters."""
+    from torch._dynamo.utils import counters  # imported already where a model is compiled
 
-    again = 0 if getattr(dynamo_config, "nested_graph_breaks", False) else sum(
-        any(f.name.startswith(compile_step.ENTERED) and f.filename == compile_step.__file__ for f in r.user_stack[:-1])
-        for r in graph_break_reasons)
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()) - again
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())

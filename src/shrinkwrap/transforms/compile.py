@@ -4,16 +4,17 @@
 backend='inductor', pattern=None)``) compiles the root module's call the way
 ``nn.Module.compile`` does: the module object, its names and its ``state_dict`` keys stay as
 they were (no ``_orig_mod.`` prefix), and whatever the earlier steps of the plan did is compiled
-with it. Each compiled module is called through a frame of this package's own, whose code object
-only modules alike share (see ``_entered``), so that models and blocks unlike each other do not
-share dynamo's limit of recompiles through ``nn.Module._call_impl`` (past a graph break in a
-forward, the frames dynamo compiles are the forward's own, as under ``torch.compile``). With
-``pattern`` it compiles the selected modules instead, each in place (regional compilation), and
-the rest of the model runs eagerly: for a part the compiler makes worse than eager. On torch 2.11
-with an H100, inductor traces BERT's attention (a padding mask and attention dropout) into
-unfused math that keeps the probabilities and the dropout mask, 10.5 GB more activation at 32 x
-512 tokens than eager's fused kernel; compiling every part of the layer but ``attention.self``
-keeps the fused kernel.
+with it; a module whose forward is torch's own (an ``nn.Sequential``), where that way traces
+nothing, and each region of ``pattern`` are compiled through a call of this package's own (see
+``_entered``). With ``pattern`` it compiles the selected modules instead, each in place
+(regional compilation), and the rest of the model runs eagerly: for a part the compiler makes
+worse than eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask
+and attention dropout) into unfused math that keeps the probabilities and the dropout mask, 10.5
+GB more activation at 32 x 512 tokens than eager's fused kernel; compiling every part of the
+layer but ``attention.self`` keeps the fused kernel. A whole model shares dynamo's limit of
+recompiles with every other compiled through ``nn.Module._call_impl``, as under
+``nn.Module.compile``: past eight models of other structures compiled in one process, the next
+runs eagerly, with a warning in torch's log.
 
 ``memory_budget`` is the activation memory budget of the min-cut partitioner
 (``torch._functorch.config.activation_memory_budget``: 1.0 saves what the default strategy saves,
@@ -21,9 +22,9 @@ lower values recompute more in backward) for this model only. The partitioner re
 while it partitions a joint graph, which happens inside the compiler backend (on the first
 compiled call and on each recompile), so this step hands ``torch.compile`` a backend that sets
 the budget for the length of its own call and leaves the global as it was. The backend also
-compares equal only to one with the same budget: where dynamo shares compiled code between
-models (the frames past a graph break, a forward's own), the global budget is no part of its
-guards, so without that a model compiled first would decide the budget of the others.
+compares equal only to one with the same budget: dynamo shares compiled code between the models
+of one class, and the global budget is no part of its guards, so without that a model compiled
+first would decide the budget of the others.
 """
 
 from __future__ import annotations
@@ -78,42 +79,33 @@ class _Budgeted:
             self.inner.reset()
 
 
-def _entered(call: Any, key: tuple) -> Any:
-    """``call`` behind a frame of this package's own, which dynamo traces, inlining ``call``,
-    with one code object for the modules alike (``key``, :func:`_alike`) and one for each module
-    unlike them. Dynamo keeps compiled code, and its limit of recompiles (``recompile_limit``, 8),
-    per code object, and every module's call is ``nn.Module._call_impl``: through that one code
-    object, the ninth model compiled in a process (or the ninth block of other shapes compiled by
-    ``pattern``) would run eagerly, with a warning in torch's log only (past a graph break the
-    frames are the forward's own, as under ``torch.compile``). A second shape through one code
-    object would also make dynamo compile it for dynamic shapes: on an H100 (torch 2.11) swin_t's
-    blocks compiled through that call had not taken a first step in 400 s; with one code object
-    each, 106 s. Modules alike share one so that a second model of a plan, or a block like the
-    one before, runs the code compiled for the first. It also traces torch's own forwards (an
-    ``nn.Sequential``'s), which dynamo runs eagerly when it is the frame compiled."""
+def _torchs_own(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is torch's own code (``nn.Sequential``'s, and a subclass's
+    that keeps it, as torchvision's ``Conv2dNormActivation``): dynamo runs such a module's
+    ``_call_impl`` eagerly, tracing nothing (torch 2.13: ``nn.Module.compile`` on an
+    ``nn.Sequential`` compiles nothing either)."""
+    return (getattr(type(module).forward, "__module__", None) or "").startswith("torch.")
+
+
+def _entered(call: Any) -> Any:
+    """``call`` behind a frame of this package's own, which dynamo traces, inlining torch's; a
+    code object of its own for each module, since dynamo keeps compiled code and its limit of
+    recompiles (8) per code object. Sequentials of different contents sharing one would leave
+    all but eight of them eager, silently, and so would ``pattern``'s regions through
+    ``nn.Module._call_impl``, the one every module's call shares (blocks of other shapes, beyond
+    eight; on an H100, torch 2.11, efficientnet_b0's 14 blocks of its own classes met that limit,
+    and swin_t's were recompiled for dynamic shapes and had taken no step in 400 s, where a code
+    object each compiled them in 106 s). A whole model keeps ``nn.Module._call_impl``, as
+    ``nn.Module.compile`` does: there dynamo guards the model's hooks, and a second model of one
+    plan runs the code compiled for the first (each module's own frame would trace it again, and
+    one frame shared by alike modules would not see a hook on one of them)."""
     def entered(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
-    code = _CODES.get(key)
-    if code is None:
-        code = _CODES[key] = entered.__code__.replace(co_name=f"{ENTERED}{len(_CODES)}")
-    entered.__code__ = code
+    entered.__code__ = entered.__code__.replace(co_name=f"entered_{next(_ENTERED)}")
     return entered
 
 
-ENTERED = "entered_"  # the name of the frames Compile's modules are called through, then a number
-_CODES: dict[tuple, Any] = {}  # _alike's key -> the code object of their frame
-_UNLIKE = itertools.count()
-
-
-def _alike(step: "Compile", module: nn.Module) -> tuple:
-    """What modules compiled by one step share a frame's code object by (:func:`_entered`): their
-    tree of module types and their parameters' and buffers' shapes, dtypes and devices. A copy
-    being rebuilt (unpickled) has no state yet: a code object of its own."""
-    if "_modules" not in module.__dict__:
-        return (step, next(_UNLIKE))
-    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-    return (step, tuple((n, type(m)) for n, m in module.named_modules()),
-            tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
+_ENTERED = itertools.count()
 
 
 class CompiledCall:
@@ -132,7 +124,9 @@ class CompiledCall:
 
     def install(self) -> None:
         # What nn.Module.compile does; through __dict__, since a copy being rebuilt has no state yet.
-        call = _entered(self.model._call_impl, _alike(self.step, self.model))
+        call = self.model._call_impl
+        if self.name or _torchs_own(self.model):
+            call = _entered(call)
         self.call = torch.compile(call, **self.step.compile_kwargs())
         self.model.__dict__["_compiled_call_impl"] = self.call
 
@@ -166,9 +160,9 @@ class Compile(Step):
 
     ``pattern`` (a regex over module names, as for every step; None: the whole model) compiles
     the outermost selected modules instead, each in place, and leaves the rest eager: regional
-    compilation. Blocks alike (one type, parameters of one shape) share their compiled code;
-    blocks unlike each other do not share dynamo's limit of recompiles. Use it to keep a part out
-    of the compiler, as the module docstring's BERT attention.
+    compilation. Each region is traced on its own (blocks alike compile from the compiler's
+    caches), so that regions of other shapes do not share dynamo's limit of recompiles. Use it to
+    keep a part out of the compiler, as the module docstring's BERT attention.
 
     Always the last step of a plan (``last``): a plan with a step after it is refused, and so is
     any other step on a model that has it (``revert`` first). The object you hold, its names and
