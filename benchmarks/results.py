@@ -316,7 +316,7 @@ def compile_time_section() -> list[str]:
            "resnet152: whole, shared_call, per_block; efficientnet_b0: per_block, whole, shared_call; swin_t: "
            "shared_call, per_block, whole), three models side by side on one host beside an autoplan run: not "
            "under equal load. whole: `compile()`; per_block: autoplan's blocks compiled, each through a code "
-           "object of its own, the rest eager; shared_call: the blocks compiled through one code object as "
+           "object of its own, the rest eager (what `compile(pattern=...)` does); shared_call: the blocks compiled through one code object as "
            "torch's `nn.Module.compile()` does (those whose forward is torch's own, each through its own).", ""]
     out += table(["model", "how", "blocks", "graphs", "first iteration s", "step ms (low-high)", "activation MiB"],
                  [[r["model"], r["how"], str(r["blocks"]), str(r.get("graphs", "-")),
