@@ -521,3 +521,17 @@ def test_regional_compile_of_hugging_face_bert_trains_as_eager_in_float64():
     _, eager = train(None)
     for t, u in zip(eager, compiled):
         torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+
+
+def test_a_model_compiled_past_dynamos_limit_of_recompiles_is_not_measured_as_compiled():
+    # Every model compiled whole shares nn.Module._call_impl's limit: the ninth of another shape
+    # runs eagerly, which dynamo says in its log only; measure says it instead of reading it.
+    torch._dynamo.reset()
+    for width in range(4, 12):
+        model = sw.apply(Block(width), [sw.compile(backend="aot_eager")])
+        assert sw.measure(model, torch.randn(2, 4), device="cpu", iterations=1, warmup=1).compiled
+    ninth = sw.apply(Block(12), [sw.compile(backend="aot_eager")])
+    with pytest.raises(RuntimeError, match=r"shrinkwrap: dynamo met its limit of recompiles .*recompile_limit"):
+        sw.measure(ninth, torch.randn(2, 4), device="cpu", iterations=1, warmup=1)
+    torch._dynamo.reset()
+    assert sw.measure(ninth, torch.randn(2, 4), device="cpu", iterations=1, warmup=1).compiled

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import platform
 import statistics
 import time
@@ -507,12 +508,38 @@ def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str |
     where = rank_and_world()
     if snapshot and where:
         snapshot = numbered(snapshot, f"rank{where[0]}")
-    with restored(model) if restore else contextlib.nullcontext():
+    with restored(model) if restore else contextlib.nullcontext(), _recompile_limit() as met:
         profile = _measure(model, batch, options, snapshot)
+    if met and profile.compiled:
+        raise RuntimeError(
+            f"shrinkwrap: dynamo met its limit of recompiles while this compiled model ran ({met[0]}), and runs "
+            "that code eagerly from then on: the figures would be partly an eager model's. Every model compiled "
+            "whole in one process shares the limit through nn.Module._call_impl (8 models of other structures by "
+            "default). Measure it in a fresh process (sw.plan_report and autoplan do on CUDA), call "
+            "torch._dynamo.reset() before building it, or raise torch._dynamo.config.recompile_limit.")
     if where:
         profile.rank = where[0]
         profile.ranks = gather(profile) or []
     return profile
+
+
+@contextlib.contextmanager
+def _recompile_limit() -> Iterator[list[str]]:
+    """The limits of recompiles dynamo meets in the block, as its log names them (``recompile_limit
+    (8)``): a frame past its limit runs eagerly from then on, which dynamo says in a warning only."""
+    met: list[str] = []
+
+    class Met(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith("torch._dynamo hit config."):
+                met.append(record.getMessage().splitlines()[0].removeprefix("torch._dynamo hit config."))
+
+    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Met(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield met
+    finally:
+        logger.removeHandler(handler)
 
 
 def numbered(path: str, tag: object) -> str:

@@ -14,7 +14,8 @@ GB more activation at 32 x 512 tokens than eager's fused kernel; compiling every
 layer but ``attention.self`` keeps the fused kernel. A whole model shares dynamo's limit of
 recompiles with every other compiled through ``nn.Module._call_impl``, as under
 ``nn.Module.compile``: past eight models of other structures compiled in one process, the next
-runs eagerly, with a warning in torch's log.
+runs eagerly, with a warning in torch's log (``measure`` raises where that happens as it
+measures).
 
 ``memory_budget`` is the activation memory budget of the min-cut partitioner
 (``torch._functorch.config.activation_memory_budget``: 1.0 saves what the default strategy saves,
