@@ -510,6 +510,9 @@ def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str |
         snapshot = numbered(snapshot, f"rank{where[0]}")
     with restored(model) if restore else contextlib.nullcontext(), _recompile_limit() as met:
         profile = _measure(model, batch, options, snapshot)
+    if where:  # every rank gathers first: one that raised before it would leave the others waiting
+        profile.rank = where[0]
+        profile.ranks = gather(profile) or []
     if met and profile.compiled:
         raise RuntimeError(
             f"shrinkwrap: dynamo met its limit of recompiles while this compiled model ran ({met[0]}), and runs "
@@ -517,9 +520,6 @@ def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str |
             "whole in one process shares the limit through nn.Module._call_impl (8 models of other structures by "
             "default). Measure it in a fresh process (sw.plan_report and autoplan do on CUDA), call "
             "torch._dynamo.reset() before building it, or raise torch._dynamo.config.recompile_limit.")
-    if where:
-        profile.rank = where[0]
-        profile.ranks = gather(profile) or []
     return profile
 
 
