@@ -10,19 +10,20 @@ of three ways: ``whole`` (``compile()``); ``per_block``, the blocks autoplan fin
 its own, the rest eager; ``shared_call``, those blocks compiled the way torch's
 ``nn.Module.compile()`` does, through ``nn.Module._call_impl``, one code object for all, but for
 the blocks whose forward is torch's own (an ``nn.Sequential``'s, which dynamo would run eagerly
-that way), each through a frame of its own. The compiler's caches start empty (fresh
-directories for inductor and triton): run each in a process of its own. Prints one JSON line:
-the first SGD iteration's seconds (the compilation), the median of 15 steady steps (CUDA events,
-after 4), and the activation (one step's peak less what was allocated before it).
+that way), each through a frame of its own (``compile(pattern=...)`` over them). The
+compiler's caches start empty (fresh directories for inductor and triton): run each in a process
+of its own. Prints one JSON line from ``sw.measure`` (SGD, cross-entropy): the first iteration's seconds (the compilation), the
+median of 15 steady steps and their spread, and the activation (the steady step's peak less
+what was allocated before it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # cold, set before torch reads them
@@ -34,18 +35,9 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from shrinkwrap.select import innermost_blocks  # noqa: E402
+from shrinkwrap.select import innermost_blocks, pattern_for  # noqa: E402
 
 HOWS = ("whole", "per_block", "shared_call")
-
-
-def _own_frame(call):
-    """``call`` behind a frame whose code object is its own (dynamo's compiled code, and its
-    limit of recompiles, are per code object)."""
-    def frame(*args, **kwargs):
-        return call(*args, **kwargs)
-    frame.__code__ = frame.__code__.replace(co_name=f"frame_{id(call)}")
-    return frame
 
 
 def main(name: str, how: str) -> None:
@@ -55,46 +47,23 @@ def main(name: str, how: str) -> None:
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None).cuda()
     side = 299 if name == "inception_v3" else 224
-    x, y = torch.randn(64, 3, side, side, device="cuda"), torch.randint(0, 1000, (64,), device="cuda")
+    x, y = torch.randn(64, 3, side, side), torch.randint(0, 1000, (64,), device="cuda")
     blocks = innermost_blocks(model)
-    sw.apply(model, "autocast(torch.bfloat16), compile()" if how == "whole" else "autocast(torch.bfloat16)")
-    for block in map(model.get_submodule, blocks if how != "whole" else []):
-        torchs_own = (type(block).forward.__module__ or "").startswith("torch.")
-        if how == "shared_call" and not torchs_own:
-            block.compile()
-        else:
-            block.__dict__["_compiled_call_impl"] = torch.compile(_own_frame(block._call_impl))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        out = model(x)
-        F.cross_entropy(out.logits if hasattr(out, "logits") else out, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    started = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - started
-    for _ in range(4):
-        step()
-    ms = []
-    for _ in range(15):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        ms.append(begin.elapsed_time(end))
-    ms.sort()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
+    torchs_own = [b for b in blocks if (type(model.get_submodule(b)).forward.__module__ or "").startswith("torch.")]
+    # per_block is compile(pattern=...): each region through a frame of its own.
+    regions = {"whole": None, "per_block": blocks, "shared_call": torchs_own}[how]
+    compile_step = "compile()" if regions is None else f"compile(pattern=r'{pattern_for(model, regions)}')"
+    sw.apply(model, f"autocast(torch.bfloat16), {compile_step}" if regions != [] else "autocast(torch.bfloat16)")
+    if how == "shared_call":
+        for block in set(blocks) - set(torchs_own):
+            model.get_submodule(block).compile()
+    profile = sw.measure(model, x, loss_fn=lambda out: F.cross_entropy(out, y), iterations=15, warmup=5,
+                         optimizer=functools.partial(torch.optim.SGD, lr=1e-3), device="cuda")
     print(json.dumps({
-        "model": name, "how": how, "blocks": len(blocks), "first_s": round(first, 1), "step_ms": round(ms[7], 2),
-        "step_ms_low": round(ms[0], 2), "step_ms_high": round(ms[-1], 2),
-        "activation_mib": round((torch.cuda.max_memory_allocated() - before) / 2**20, 1),
+        "model": name, "how": how, "blocks": len(blocks), "first_s": round(profile.first_ms / 1e3, 1),
+        "step_ms": round(profile.step_ms, 2), "step_ms_low": round(min(profile.step_times_ms), 2),
+        "step_ms_high": round(max(profile.step_times_ms), 2),
+        "activation_mib": round((profile.peak - profile.static) / 2**20, 1),
         "graphs": counters["stats"]["unique_graphs"], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}),
         flush=True)
 
