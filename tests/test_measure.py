@@ -697,6 +697,20 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
 
 
 @pytest.mark.cuda
+def test_processes_ahead_count_what_this_process_keeps_cached_and_unused_as_free():
+    from shrinkwrap.processes import PROCESS_MARGIN, _held
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    room = free // 4 - PROCESS_MARGIN  # four such rows fill what is free
+    block = torch.empty(free * 3 // 4, dtype=torch.uint8, device=device)
+    del block  # kept by the allocator, unused: as after a row measured here
+    assert torch.cuda.mem_get_info(device)[0] < free // 3  # what the card reports free now
+    assert _held(device, room) >= 3 and torch.cuda.memory_reserved(device) < free // 4
+
+
+@pytest.mark.cuda
 def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
 

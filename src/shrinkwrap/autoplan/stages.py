@@ -655,8 +655,9 @@ class _Search:
         turns there, least memory first (within its wave), unless a row ``beside`` them or timed
         before it answers first (:class:`_Turn`): returns those plans' rows and timings in turns.
         The others this process compiles from the on-disk caches. On an H100 (80 GB, torch 2.11)
-        the free memory held two processes at maxvit_t @64's baseline peak (19311 MiB): its four
-        plans went in two waves, the last compiled after 541 s."""
+        the free memory, read with this process's cached blocks still held, held two processes
+        at maxvit_t @64's baseline peak (19311 MiB): its four plans went in two waves, the last
+        compiled after 541 s; with them handed back it holds three (see ``_held``)."""
         if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
             return {}
         plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
