@@ -1705,6 +1705,23 @@ def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row
     rows.close()
 
 
+def test_where_no_fresh_process_can_start_every_row_is_measured_here_and_the_header_says_so():
+    import sys
+
+    from shrinkwrap.measure.step import Options
+
+    ap = sys.modules["shrinkwrap.autoplan.stages"]
+    rows = ap._Rows(lambda: mlp(), mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    assert "does not pickle" in rows.unsendable and ap._isolation(rows, False) == "in this process"
+    plan = sw.Plan.parse("checkpoint('1.0')")
+    (row,) = rows([plan], True)  # asked for a fresh process's row: measured here
+    assert row.profile is not None and list(rows.cache) == [(str(plan), False)] and rows.measured_here
+    rows.close()
+    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    assert rows.unsendable is None and ap._isolation(rows, False).startswith("candidates in this process")
+    rows.close()
+
+
 def test_the_note_on_an_eager_answer_says_a_compiled_plan_did_not_train_under_the_cap():
     from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
 """The measuring harness: shrinkwrap.measure (one configuration) and plan_report (baseline -> steps)."""
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -202,8 +203,52 @@ def test_rows_can_run_in_fresh_subprocesses():
 
 def test_an_unpicklable_row_runs_in_process_with_a_note():
     report = sw.plan_report([], lambda: nn.Linear(4, 4), torch.randn(2, 4), isolate=True, **FAST)
-    assert report.isolation == "in this process" and "cannot pickle" in report.notes[0]
-    assert "cannot pickle" in str(report)
+    assert report.isolation == "in this process" and "does not pickle" in report.notes[0]
+    assert "use module-level functions for the factory and the loss" in report.notes[0]
+
+
+SCRIPT = """
+import json, sys
+import torch, torch.nn as nn
+import shrinkwrap as sw
+
+with open(sys.argv[1], "a") as runs:  # each run of the script's top level
+    runs.write("x")
+
+def make():
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+def main():
+    report = sw.plan_report([sw.checkpoint("0")], make, torch.randn(16, 32), isolate=True, iterations=1, warmup=1,
+                            device="cpu")
+    print(json.dumps([report.isolation, report.notes]))
+"""
+
+
+@pytest.mark.parametrize("how", ["unguarded", "guarded", "python -c"])
+def test_rows_start_fresh_processes_only_where_the_main_script_lets_them(tmp_path, how):
+    # A spawned process runs the main script again to find its functions: at its top level, the
+    # call would run again there (and fail to start processes of its own); from python -c it
+    # cannot find them at all. Both measure here, with a note that says the fix.
+    runs = tmp_path / "runs"
+    body = SCRIPT + ("main()\n" if how == "unguarded" else 'if __name__ == "__main__":\n    main()\n')
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    command = [sys.executable, "-c", body, str(runs)] if how == "python -c" else [sys.executable, str(script), str(runs)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    isolation, notes = json.loads(out.stdout.strip().splitlines()[-1])
+    if how == "guarded":
+        assert isolation == "in subprocesses" and not notes
+        assert runs.read_text() == "xxx"  # this process's, and each row's process ran its top level, not main()
+        return
+    assert isolation == "in this process" and runs.read_text() == "x" and "Traceback" not in out.stderr
+    if how == "unguarded":
+        assert notes == ['rows measured in this process, not in subprocesses: train.py calls shrinkwrap at its top '
+                         f'level (line {body.splitlines().index("main()") + 1}), outside `if __name__ == "__main__":`, '
+                         "and a spawned process would run the script again: put the script's work under that line"]
+    else:
+        assert "make is defined in __main__ here" in notes[0] and "define it in a module and import it" in notes[0]
 
 
 def test_bad_plan_raises_before_any_row_is_measured():

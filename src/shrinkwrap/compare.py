@@ -148,7 +148,7 @@ def measure_plans(
     unsendable = _unsendable((make, plans, batch, options)) if isolate else None
     if unsendable:
         isolate = False
-        notes.append(f"rows measured in this process, not in subprocesses: cannot pickle the row ({unsendable})")
+        notes.append(f"rows measured in this process, not in subprocesses: {unsendable}")
     if device.type == "cuda" and not isolate:
         notes.append("in-process CUDA rows: caches emptied and peak statistics reset between rows, but "
                      "cuDNN workspaces and earlier rows' context may still count")
@@ -182,8 +182,8 @@ def measure_plans(
                 progress(len(plans), len(plans), f"fit test: {row.label}")
             if parallelize is not None or rank_and_world():
                 notes.append(f"{row.label}: not fit-tested (a fit probe trains one process, not a process group)")
-            elif _unsendable((make, row.plan, batch, options)):
-                notes.append(f"{row.label}: not fit-tested: the row cannot be sent to a fresh process")
+            elif why := _unsendable((make, row.plan, batch, options)):
+                notes.append(f"{row.label}: not fit-tested (it trains in fresh processes): {why}")
             else:
                 row.fit = fit_test(make, batch, row.plan, options)
     if progress:

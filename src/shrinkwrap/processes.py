@@ -11,17 +11,21 @@ the compiler settings a process takes on so that its work lands in the caches th
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import importlib
 import io
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import sys
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -313,12 +317,96 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
 
 
 def _unsendable(args: tuple) -> str | None:
-    """Why ``args`` cannot be sent to a spawned process (pickled), or None."""
+    """Why ``args`` cannot be sent to a spawned process, or None: they do not pickle; the main
+    script would run again there (:func:`_main_reruns`); or they name a function or class of a
+    ``__main__`` that a spawned process cannot import (an interactive session, ``python -c``,
+    a notebook: it would fail to load them, and the row with it). Each reason says the fix.
+
+    Example::
+
+        >>> _unsendable((lambda: None,))
+        "the factory, batch, loss or plan does not pickle (Can't pickle <function <lambda> ...>): use ..."
+    """
+    finder = _MainNames(io.BytesIO())
     try:
-        pickle.dumps(args)
-        return None
+        finder.dump(args)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types (PicklingError, AttributeError, TypeError)
-        return str(exc)
+        return (f"the factory, batch, loss or plan does not pickle ({exc}): use module-level functions for the "
+                "factory and the loss")
+    main = sys.modules.get("__main__")
+    rerun = _main_reruns(main)
+    if rerun:
+        return rerun
+    if finder.names and not _spawn_imports_main(main):
+        return (f"{finder.names[0]} is defined in __main__ here (an interactive session, python -c or a "
+                "notebook), which a spawned process cannot import: define it in a module and import it")
+    return None
+
+
+class _MainNames(pickle.Pickler):
+    """A pickler that notes the functions and classes of ``__main__`` it pickles (by name)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.names: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.names.append(getattr(obj, "__qualname__", repr(obj)))
+        return NotImplemented
+
+
+def _spawn_imports_main(main: types.ModuleType | None) -> bool:
+    """Whether a spawned process runs this process's main module before its task, as
+    :mod:`multiprocessing.spawn` does (by module name, or from its file): not an interactive
+    session, ``python -c``, or ``python -m`` of a package's ``__main__``."""
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return not (name == "__main__" or name.endswith(".__main__"))
+    path = getattr(main, "__file__", None)
+    return path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython"
+
+
+def _main_reruns(main: types.ModuleType | None) -> str | None:
+    """Why the main script, which a spawned process runs before its task, would fail or do
+    harm there: it is no file (a script read from standard input), or the call that starts the
+    process sits at its top level, outside ``if __name__ == "__main__":``, so that the spawned
+    process runs the script's work again (whatever comes before the call) and then fails to start
+    processes of its own. None where the script is not run there, where the call is under that
+    line, or where the call's line cannot be read (a thread, a script changed since it started)."""
+    path = getattr(main, "__file__", None)
+    if path is None or not _spawn_imports_main(main):
+        return None
+    if not os.path.isfile(path):
+        return f"the main script {path!r} is not a file that a spawned process can run: run it from a file"
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or _guarded(path, frame.f_lineno) is not False:
+        return None
+    return (f"{os.path.basename(path)} calls shrinkwrap at its top level (line {frame.f_lineno}), outside "
+            "`if __name__ == \"__main__\":`, and a spawned process would run the script again: put the "
+            "script's work under that line")
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded(path: str, line: int) -> bool | None:
+    """Whether ``line`` of the script at ``path`` lies in the body of an ``if __name__ ==
+    "__main__":``; None where the script cannot be read or parsed."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+    def is_main(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+        return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+    return any(isinstance(node, ast.If) and is_main(node.test) and
+               any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.body) for node in ast.walk(tree))
 
 
 def _held(device: torch.device, room: int | None) -> int | None:
@@ -512,7 +600,9 @@ class FreshProcesses:
         self._exiting: list[tuple] = []
 
     def start_next(self) -> None:
-        if self._next is None:
+        """Start the next row's process, unless one is started, or none can be (see
+        :func:`_unsendable`: ``run`` then raises, and callers check before)."""
+        if self._next is None and not _unsendable((self.make, self.modules)):
             _main_last()  # a row's process keys its compiled graphs as this one does
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._next.submit(_ready, self.make, self.modules)
@@ -520,6 +610,8 @@ class FreshProcesses:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
         self.start_next()
+        if self._next is None:
+            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
         pool, self._next = self._next, None
         try:
             return pool.submit(fn, *args).result()

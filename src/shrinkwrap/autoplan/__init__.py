@@ -306,6 +306,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     if search.max_t is not None:
         notes.append(f"step-time limit: {search.max_t:.1f} ms ({max_slowdown}x the baseline)")
     notes += [*unmet, *capped, f"plan: {final.plan or '(none: the model as it is)'}"]
+    if rows.unsendable:
+        notes.append(f"every row measured in this process, none in a fresh one: {rows.unsendable}")
     if compile_step is not None and final.role != "compiled":
         notes.append(_eager_won(search, tried, final))
     notes += _bill_cut(base, final)
@@ -444,9 +446,10 @@ def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row |
     marked on the row, and a note per plan tried. (None, notes) where none does, or where the rows
     cannot be sent to a fresh process (a note says so)."""
     notes = []
-    if _unsendable((rows.make, rows.batch, rows.options)):
+    why = _unsendable((rows.make, rows.batch, rows.options))
+    if why:
         return rows_in_order[0] if rows_in_order else None, [
-            "not trained under the budget's cap: the model factory, batch or options cannot be sent to a fresh process"]
+            f"not trained under the budget's cap (it trains in fresh processes): {why}"]
     for row in rows_in_order:
         probe: Probe = trains_under(rows.make, rows.batch, int(cap), row.plan, rows.options_for(row.plan))
         if probe.ok:

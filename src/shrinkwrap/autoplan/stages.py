@@ -19,7 +19,7 @@ from ..compare import Progress, _as_row, measure_plans
 from ..measure.ratios import ratio_interval, timed_against, within_slowdown
 from ..measure.step import Options, forward_times, resolve_device, time_interleaved
 from ..plan import Plan
-from ..processes import FreshProcesses, _build, _Copies, compile_ahead
+from ..processes import FreshProcesses, _build, _Copies, _unsendable, compile_ahead
 from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
@@ -50,6 +50,8 @@ class _Rows:
         # out one shared model).
         self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
         self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
+        # Why no fresh process can start (see _unsendable), or None: every row is then measured here.
+        self.unsendable = _unsendable((make, batch, options)) if cuda else None
         self.measured_here = False  # whether a row has run in this process
         self.foreign: int | None = None  # what the process held on the GPU before the first row (see held)
 
@@ -79,7 +81,7 @@ class _Rows:
     def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
         if self.foreign is None:
             self.foreign = self.held()
-        isolate = isolate and self.cuda  # a subprocess buys nothing without CUDA
+        isolate = isolate and self.cuda and not self.unsendable  # a subprocess buys nothing without CUDA
         todo = [p for p in plans if (str(p), isolate) not in self.cache]
         empty = next((p for p in todo if not p.steps), None)
         if isolate and empty is not None and not self.measured_here and self.untouched():
@@ -219,7 +221,7 @@ def _gc_frozen() -> Iterator[None]:
 
 def _isolation(rows: _Rows, isolate_candidates: bool) -> str:
     """Where the report's rows were measured, for its header."""
-    if not rows.cuda:
+    if not rows.cuda or rows.unsendable:
         return "in this process"
     where = "in subprocesses" if isolate_candidates else "candidates in this process, chosen plans in subprocesses"
     return where + ("; the baseline first in this process, with nothing else on the GPU" if rows.baseline_here
