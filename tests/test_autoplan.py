@@ -1705,6 +1705,23 @@ def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row
     rows.close()
 
 
+class OutOfMemoryAsItIs(nn.Module):
+    """A model that runs out of CUDA memory as it is (simulated on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+
+    def forward(self, x):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+def test_a_model_out_of_memory_as_it_is_is_an_error_that_names_the_fixes():
+    with pytest.raises(RuntimeError, match=r"runs out of memory at this batch \(CUDA out of memory. Tried to "
+                                           r"allocate 2.00 GiB.*maximize='batch'.*sw.estimate"):
+        sw.autoplan(OutOfMemoryAsItIs, BATCH, max_slowdown=1.0, device="cpu")
+
+
 def test_where_no_fresh_process_can_start_every_row_is_measured_here_and_the_header_says_so():
     import sys
 

@@ -218,6 +218,11 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     base = rows([Plan()], True)[0]
     if cuda:  # the chosen plan's process, started while the candidates are measured (none without CUDA)
         rows.fresh.start_next()
+    if base.profile is None and base.status == "oom":
+        raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "
+                           "autoplan measures every plan against it: pass a batch it fits at (with a budget, "
+                           "maximize='batch' then finds the largest batch the answer fits at), or predict this "
+                           "batch's peak under a plan on the CPU with sw.estimate")
     if base.profile is None:
         raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
     report = Report([base], str(dev), device_name(dev), torch.__version__,
