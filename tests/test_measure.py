@@ -215,40 +215,51 @@ import shrinkwrap as sw
 with open(sys.argv[1], "a") as runs:  # each run of the script's top level
     runs.write("x")
 
-def make():
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+class Net(nn.Sequential):
+    pass
 
-def main():
-    report = sw.plan_report([sw.checkpoint("0")], make, torch.randn(16, 32), isolate=True, iterations=1, warmup=1,
+def make():
+    return Net(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+def main(model):
+    report = sw.plan_report([sw.checkpoint("0")], model, torch.randn(16, 32), isolate=True, iterations=1, warmup=1,
                             device="cpu")
     print(json.dumps([report.isolation, report.notes]))
 """
+GUARD = 'if __name__ == "__main__":\n'
+ENDINGS = {  # how the script ends, whether it runs from a file, and what the note says (None: rows in subprocesses)
+    "guarded": (GUARD + "    main(make)\n", True, None),
+    "unguarded": ("main(make)\n", True, "train.py calls shrinkwrap at its top level (line {line}), outside `if __name__ == "
+                  '"__main__":`, and a spawned process would run the script again: put the script\'s work under that line'),
+    "defined under the guard": (GUARD + "    def make_here():\n        return make()\n    main(make_here)\n", True,
+                                "make_here is defined under `if __name__ == \"__main__\":`, which a spawned process does "
+                                "not run, so it cannot find it there: define it above that line"),
+    "python -c": (GUARD + "    main(make)\n", False, "make is defined in __main__ here (an interactive session, python "
+                  "-c or a notebook), which a spawned process cannot import: define it in a module and import it"),
+    "python -c, an instance": (GUARD + "    main(make())\n", False, "Net is defined in __main__ here"),
+}
 
 
-@pytest.mark.parametrize("how", ["unguarded", "guarded", "python -c"])
+@pytest.mark.parametrize("how", list(ENDINGS))
 def test_rows_start_fresh_processes_only_where_the_main_script_lets_them(tmp_path, how):
     # A spawned process runs the main script again to find its functions: at its top level, the
-    # call would run again there (and fail to start processes of its own); from python -c it
-    # cannot find them at all. Both measure here, with a note that says the fix.
-    runs = tmp_path / "runs"
-    body = SCRIPT + ("main()\n" if how == "unguarded" else 'if __name__ == "__main__":\n    main()\n')
-    script = tmp_path / "train.py"
-    script.write_text(body)
-    command = [sys.executable, "-c", body, str(runs)] if how == "python -c" else [sys.executable, str(script), str(runs)]
+    # call would run again there (and fail to start processes of its own); what python -c or the
+    # guarded block defines, it cannot find. Each measures here, with a note that says the fix.
+    ending, from_file, said = ENDINGS[how]
+    if how == "unguarded":
+        said = said.replace("{line}", str((SCRIPT + ending).splitlines().index("main(make)") + 1))
+    runs, script = tmp_path / "runs", tmp_path / "train.py"
+    script.write_text(SCRIPT + ending, encoding="utf-8-sig")  # a BOM, as some editors write: read as Python reads it
+    command = [sys.executable, *([str(script)] if from_file else ["-c", SCRIPT + ending]), str(runs)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     isolation, notes = json.loads(out.stdout.strip().splitlines()[-1])
-    if how == "guarded":
+    if said is None:
         assert isolation == "in subprocesses" and not notes
         assert runs.read_text() == "xxx"  # this process's, and each row's process ran its top level, not main()
         return
     assert isolation == "in this process" and runs.read_text() == "x" and "Traceback" not in out.stderr
-    if how == "unguarded":
-        assert notes == ['rows measured in this process, not in subprocesses: train.py calls shrinkwrap at its top '
-                         f'level (line {body.splitlines().index("main()") + 1}), outside `if __name__ == "__main__":`, '
-                         "and a spawned process would run the script again: put the script's work under that line"]
-    else:
-        assert "make is defined in __main__ here" in notes[0] and "define it in a module and import it" in notes[0]
+    assert len(notes) == 1 and notes[0].startswith(f"rows measured in this process, not in subprocesses: {said}")
 
 
 def test_bad_plan_raises_before_any_row_is_measured():

@@ -162,7 +162,7 @@ def _prepare(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
     batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
     why = _unsendable((make, plan, batch, options))
     if why:
-        raise TypeError(f"shrinkwrap: {where} trains in fresh processes, and cannot start them: {why}")
+        raise RuntimeError(f"shrinkwrap: {where} trains in fresh processes, and cannot start them: {why}")
     return make, plan, batch, options
 
 

@@ -26,7 +26,7 @@ import pickle
 import sys
 import time
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -318,9 +318,10 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
 
 def _unsendable(args: tuple) -> str | None:
     """Why ``args`` cannot be sent to a spawned process, or None: they do not pickle; the main
-    script would run again there (:func:`_main_reruns`); or they name a function or class of a
-    ``__main__`` that a spawned process cannot import (an interactive session, ``python -c``,
-    a notebook: it would fail to load them, and the row with it). Each reason says the fix.
+    script would run again there to harm (:func:`_main_reruns`); or they name a function or
+    class of ``__main__`` that a spawned process cannot find: one of an interactive session
+    (``python -c``, a notebook), or one the script defines under ``if __name__ == "__main__":``,
+    which the process does not run. Each reason says the fix.
 
     Example::
 
@@ -335,16 +336,22 @@ def _unsendable(args: tuple) -> str | None:
                 "factory and the loss")
     main = sys.modules.get("__main__")
     rerun = _main_reruns(main)
-    if rerun:
+    if rerun or not finder.names:
         return rerun
-    if finder.names and not _spawn_imports_main(main):
+    if _spawn_main_by(main) is None:
         return (f"{finder.names[0]} is defined in __main__ here (an interactive session, python -c or a "
                 "notebook), which a spawned process cannot import: define it in a module and import it")
+    tree = _script(getattr(main, "__file__", None) or "")
+    hidden = [n for n in finder.names if tree is not None and n.split(".")[0] not in _defined_unguarded(tree)]
+    if hidden:
+        return (f"{hidden[0]} is defined under `if __name__ == \"__main__\":`, which a spawned process does not "
+                "run, so it cannot find it there: define it above that line")
     return None
 
 
 class _MainNames(pickle.Pickler):
-    """A pickler that notes the functions and classes of ``__main__`` it pickles (by name)."""
+    """A pickler that notes the functions and classes of ``__main__`` it pickles by name, and
+    the module classes of ``__main__`` in a model that travels as ``torch.save`` bytes."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file)
@@ -353,18 +360,21 @@ class _MainNames(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
             self.names.append(getattr(obj, "__qualname__", repr(obj)))
+        elif isinstance(obj, _Copies):
+            self.names += [type(m).__qualname__ for m in obj.model.modules() if type(m).__module__ == "__main__"]
         return NotImplemented
 
 
-def _spawn_imports_main(main: types.ModuleType | None) -> bool:
-    """Whether a spawned process runs this process's main module before its task, as
-    :mod:`multiprocessing.spawn` does (by module name, or from its file): not an interactive
-    session, ``python -c``, or ``python -m`` of a package's ``__main__``."""
+def _spawn_main_by(main: types.ModuleType | None) -> str | None:
+    """How a spawned process runs this process's main module before its task, as
+    :mod:`multiprocessing.spawn` does: ``"name"`` (imported by module name) or ``"path"`` (run from
+    its file); None: it does not (an interactive session, ``python -c``, ``python -m`` of a
+    package's ``__main__``)."""
     name = getattr(getattr(main, "__spec__", None), "name", None)
     if name is not None:
-        return not (name == "__main__" or name.endswith(".__main__"))
+        return None if name == "__main__" or name.endswith(".__main__") else "name"
     path = getattr(main, "__file__", None)
-    return path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython"
+    return None if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython" else "path"
 
 
 def _main_reruns(main: types.ModuleType | None) -> str | None:
@@ -373,16 +383,19 @@ def _main_reruns(main: types.ModuleType | None) -> str | None:
     process sits at its top level, outside ``if __name__ == "__main__":``, so that the spawned
     process runs the script's work again (whatever comes before the call) and then fails to start
     processes of its own. None where the script is not run there, where the call is under that
-    line, or where the call's line cannot be read (a thread, a script changed since it started)."""
+    line, or where the call's line cannot be read (a thread; a script that cannot be parsed). A
+    script edited since it started is read as it is now."""
+    by = _spawn_main_by(main)
     path = getattr(main, "__file__", None)
-    if path is None or not _spawn_imports_main(main):
+    if by is None or path is None:
         return None
-    if not os.path.isfile(path):
+    if by == "path" and not os.path.isfile(path):
         return f"the main script {path!r} is not a file that a spawned process can run: run it from a file"
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
         frame = frame.f_back
-    if frame is None or _guarded(path, frame.f_lineno) is not False:
+    tree = _script(path)
+    if frame is None or tree is None or any(_in_guard(tree, frame.f_lineno)):
         return None
     return (f"{os.path.basename(path)} calls shrinkwrap at its top level (line {frame.f_lineno}), outside "
             "`if __name__ == \"__main__\":`, and a spawned process would run the script again: put the "
@@ -390,23 +403,53 @@ def _main_reruns(main: types.ModuleType | None) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _guarded(path: str, line: int) -> bool | None:
-    """Whether ``line`` of the script at ``path`` lies in the body of an ``if __name__ ==
-    "__main__":``; None where the script cannot be read or parsed."""
+def _script(path: str) -> ast.Module | None:
+    """The syntax tree of the script at ``path`` (its encoding as Python reads it), or None."""
     try:
-        with open(path, encoding="utf-8") as file:
-            tree = ast.parse(file.read())
+        with open(path, "rb") as file:
+            return ast.parse(file.read())
     except (OSError, SyntaxError, ValueError):
         return None
 
-    def is_main(test: ast.expr) -> bool:
-        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-            return False
-        sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
-        return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
 
-    return any(isinstance(node, ast.If) and is_main(node.test) and
-               any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.body) for node in ast.walk(tree))
+def _is_main_test(test: ast.expr) -> bool:
+    """Whether ``test`` holds only where ``__name__ == "__main__"`` (alone, or in an ``and``)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_is_main_test(v) for v in test.values)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
+        any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
+
+
+def _in_guard(tree: ast.Module, line: int) -> Iterator[ast.If]:
+    """The ``if __name__ == "__main__":`` blocks whose body holds ``line``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and \
+                any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.body):
+            yield node
+
+
+def _defined_unguarded(tree: ast.Module) -> set[str]:
+    """The names a script binds at its top level outside ``if __name__ == "__main__":`` blocks
+    (functions, classes, assignments, imports), which a spawned process running it defines."""
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            todo += node.orelse
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        else:  # if, try, with, for, while: their bodies run at the top level
+            todo += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+    return names
 
 
 def _held(device: torch.device, room: int | None) -> int | None:
@@ -596,13 +639,17 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
+        self._why: str | None = None  # why none can start (see _unsendable), read at the first start
+        self._asked = False
         # Stopped pools whose row is done (see _stop), which close() waits for.
         self._exiting: list[tuple] = []
 
     def start_next(self) -> None:
         """Start the next row's process, unless one is started, or none can be (see
         :func:`_unsendable`: ``run`` then raises, and callers check before)."""
-        if self._next is None and not _unsendable((self.make, self.modules)):
+        if not self._asked:  # one reading: pickling a model instance's bytes again for every row costs
+            self._why, self._asked = _unsendable((self.make, self.modules)), True
+        if self._next is None and not self._why:
             _main_last()  # a row's process keys its compiled graphs as this one does
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._next.submit(_ready, self.make, self.modules)
@@ -611,7 +658,7 @@ class FreshProcesses:
         """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
         self.start_next()
         if self._next is None:
-            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
+            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {self._why}")
         pool, self._next = self._next, None
         try:
             return pool.submit(fn, *args).result()

@@ -216,8 +216,6 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # each in a fresh process on CUDA, or as fresh: first in this process, where nothing of it is
     # on the GPU yet (see _Rows).
     base = rows([Plan()], True)[0]
-    if cuda:  # the chosen plan's process, started while the candidates are measured (none without CUDA)
-        rows.fresh.start_next()
     if base.profile is None and base.status == "oom":
         raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "
                            "autoplan measures every plan against it: pass a batch it fits at (with a budget, "
@@ -225,6 +223,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                            "batch's peak under a plan on the CPU with sw.estimate")
     if base.profile is None:
         raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
+    if cuda:  # the chosen plan's process, started while the candidates are measured (none without CUDA)
+        rows.fresh.start_next()
     report = Report([base], str(dev), device_name(dev), torch.__version__,
                     model=getattr(make, "__name__", type(make).__name__), batch=describe_batch(batch),
                     isolation=_isolation(rows, isolate_candidates))
