@@ -5,8 +5,9 @@ probe of a memory cap (``fit``) runs in a new spawned process: allocator caches,
 and CUDA graph pools of one cannot count in the next. Here: how a model travels to such a process
 (a factory, or :class:`_Copies` of an instance), how a plan's model is built there (:func:`_build`),
 the compiler settings a process takes on so that its work lands in the caches this one reads
-(:func:`compile_settings`, :func:`take_settings`), and how processes are started ahead and ended
-(:class:`FreshProcesses`, :func:`_stop`, :func:`_end`).
+(:func:`compile_settings`, :func:`take_settings`), how processes are started ahead and ended
+(:class:`FreshProcesses`, :func:`_stop`, :func:`_end`), and whether one can start at all: what it
+is sent must pickle, and the main script, which it runs again, must let it (:func:`_unsendable`).
 """
 
 from __future__ import annotations
