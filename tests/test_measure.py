@@ -262,6 +262,37 @@ def test_rows_start_fresh_processes_only_where_the_main_script_lets_them(tmp_pat
     assert len(notes) == 1 and notes[0].startswith(f"rows measured in this process, not in subprocesses: {said}")
 
 
+def test_a_main_guard_is_read_in_the_forms_scripts_write_it():
+    import ast
+
+    from shrinkwrap.processes import _defined_unguarded, _in_guard
+
+    source = """
+import torch as t
+A = 1
+def make(): pass
+try:
+    class Net: pass
+except ImportError:
+    pass
+if __name__ == '__main__':
+    def hidden(): pass
+    run(make)
+if "__main__" == __name__ and t:
+    run(make)
+elif True:
+    B = 2
+if __name__ != "__main__":
+    run(make)
+run(make)
+"""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    calls = [i for i, text in enumerate(lines, 1) if text.strip() == "run(make)"]
+    assert [bool(list(_in_guard(tree, line))) for line in calls] == [True, True, False, False]
+    assert _defined_unguarded(tree) == {"t", "A", "make", "Net", "B"}  # not hidden, bound under the guard
+
+
 def test_bad_plan_raises_before_any_row_is_measured():
     with pytest.raises(sw.SelectionError, match="nope"):
         sw.plan_report([sw.checkpoint("nope")], mlp, torch.randn(4, 32), **FAST)
