@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
 from shrinkwrap.select import innermost_blocks, pattern_for  # noqa: E402
+from shrinkwrap.transforms.compile import _torchs_own  # noqa: E402
 
 HOWS = ("whole", "per_block", "shared_call")
 
@@ -49,7 +50,7 @@ def main(name: str, how: str) -> None:
     side = 299 if name == "inception_v3" else 224
     x, y = torch.randn(64, 3, side, side), torch.randint(0, 1000, (64,), device="cuda")
     blocks = innermost_blocks(model)
-    torchs_own = [b for b in blocks if (type(model.get_submodule(b)).forward.__module__ or "").startswith("torch.")]
+    torchs_own = [b for b in blocks if _torchs_own(model.get_submodule(b))]
     # per_block is compile(pattern=...): each region through a frame of its own.
     regions = {"whole": None, "per_block": blocks, "shared_call": torchs_own}[how]
     compile_step = "compile()" if regions is None else f"compile(pattern=r'{pattern_for(model, regions)}')"

@@ -342,7 +342,7 @@ def _unsendable(args: tuple) -> str | None:
     if _spawn_main_by(main) is None:
         return (f"{finder.names[0]} is defined in __main__ here (an interactive session, python -c or a "
                 "notebook), which a spawned process cannot import: define it in a module and import it")
-    tree = _script(getattr(main, "__file__", None) or "")
+    tree = _script(main.__file__) if getattr(main, "__file__", None) else None
     hidden = [n for n in finder.names if tree is not None and n.split(".")[0] not in _defined_unguarded(tree)]
     if hidden:
         return (f"{hidden[0]} is defined under `if __name__ == \"__main__\":`, which a spawned process does not "
@@ -640,17 +640,14 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
-        self._why: str | None = None  # why none can start (see _unsendable), read at the first start
-        self._asked = False
         # Stopped pools whose row is done (see _stop), which close() waits for.
         self._exiting: list[tuple] = []
 
     def start_next(self) -> None:
         """Start the next row's process, unless one is started, or none can be (see
         :func:`_unsendable`: ``run`` then raises, and callers check before)."""
-        if not self._asked:  # one reading: pickling a model instance's bytes again for every row costs
-            self._why, self._asked = _unsendable((self.make, self.modules)), True
-        if self._next is None and not self._why:
+        # Cheap to ask each time: a factory and module names (an instance's copies do not go ahead).
+        if self._next is None and not _unsendable((self.make, self.modules)):
             _main_last()  # a row's process keys its compiled graphs as this one does
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._next.submit(_ready, self.make, self.modules)
@@ -659,7 +656,7 @@ class FreshProcesses:
         """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
         self.start_next()
         if self._next is None:
-            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {self._why}")
+            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
         pool, self._next = self._next, None
         try:
             return pool.submit(fn, *args).result()
