@@ -480,6 +480,20 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
 
+
+def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_comes_back():
+    from shrinkwrap.processes import FreshProcesses
+
+    for ahead in (False, True):
+        with FreshProcesses(mlp, ahead=ahead) as fresh:
+            pids = [fresh.run(os.getpid) for _ in range(2)]
+            waiting = fresh._next
+            assert (waiting is not None) == ahead  # started as the second row came back, or not at all
+            if ahead:
+                assert fresh.run(os.getpid) not in pids  # a fresh process, not one that ran a row
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+
+
 class _Recording:
     """A loss that appends its process id, float32 matmul precision and the time to a file each time it
     runs (picklable: a spawned process gets it)."""

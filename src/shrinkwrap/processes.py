@@ -625,8 +625,10 @@ class FreshProcesses:
     """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
     next row's process now, so that its start (imports, those of the model's classes
     (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
-    that row comes; it is still fresh (it has measured nothing) then. One started and never used
-    is stopped by :meth:`close`.
+    that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, the next is
+    started as each row comes back, for a caller that does other work between rows (autoplan: on
+    an H200, a row's process took 3-5 s to import torch and 0.5-2 s to start CUDA before it built
+    the model). One started and never used is stopped by :meth:`close`.
 
     Example::
 
@@ -635,10 +637,12 @@ class FreshProcesses:
         ...     measure_plans(make, [Plan()], batch, isolate=True, processes=fresh)   # or fresh.run(fn, *args)
     """
 
-    def __init__(self, make: Callable[[], nn.Module] | None = None, modules: Sequence[str] = ()) -> None:
+    def __init__(self, make: Callable[[], nn.Module] | None = None, modules: Sequence[str] = (),
+                 ahead: bool = False) -> None:
         # A copied instance would travel twice (torch.save bytes): only the imports and the CUDA start go ahead.
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
+        self.ahead = ahead
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
         # Stopped pools whose row is done (see _stop), which close() waits for.
         self._exiting: list[tuple] = []
@@ -659,12 +663,15 @@ class FreshProcesses:
             raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
         pool, self._next = self._next, None
         try:
-            return pool.submit(fn, *args).result()
+            result = pool.submit(fn, *args).result()
         finally:
             # Not waited for here: the process exits while this one goes on (on an H100 machine its
             # exit took 4.1 s after a resnet152 row), and close() waits for it. Its CUDA context is
             # not this process's allocator's, so no reading here counts it.
             self._exiting.append(_stop(pool))
+        if self.ahead:
+            self.start_next()
+        return result
 
     def close(self) -> None:
         if self._next is not None:

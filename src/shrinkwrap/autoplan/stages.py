@@ -37,8 +37,9 @@ class _Rows:
 
     Rows in this process are built from copies of one model the factory made (on an H100,
     building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
-    the per-module log; isolated rows run in fresh processes, the chosen plan's started while
-    this process measures the candidates (see :class:`FreshProcesses`)."""
+    the per-module log; isolated rows run in fresh processes, each started ahead: the chosen plan's
+    while this process measures the candidates, each next one as the row before it comes back (see
+    :class:`FreshProcesses`)."""
 
     def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
                  cache: dict, warmup: int | None = None) -> None:
@@ -49,7 +50,7 @@ class _Rows:
         # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
         # out one shared model).
         self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
-        self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}))
+        self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}), ahead=True)
         # Why no fresh process can start (see _unsendable), or None: every row is then measured here.
         self.unsendable = _unsendable((make, batch, options)) if cuda else None
         self.measured_here = False  # whether a row has run in this process
