@@ -292,6 +292,18 @@ def test_chosen_plan_fits_the_budget_and_is_verified():
     assert any(n.startswith("taken:") for n in report.notes)
 
 
+
+def test_progress_true_draws_the_stages_on_stderr_and_anything_else_uncallable_is_refused(capsys):
+    sw.autoplan(mlp, BATCH, budget=0.45, progress=True, **FAST)
+    err = capsys.readouterr().err.splitlines()  # not a terminal here: one line per stage
+    assert err[0].startswith("shrinkwrap: 0/") and err[0].endswith("baseline and candidates")
+    assert any(" verify " in line for line in err)
+    sw.autoplan(mlp, BATCH, budget=0.45, progress=False, **FAST)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match="shrinkwrap: progress is True"):
+        sw.autoplan(mlp, BATCH, budget=0.45, progress="yes", **FAST)
+
+
 def test_a_budget_the_baseline_meets_gives_the_empty_plan():
     plan, report = sw.autoplan(mlp(), BATCH, budget=1.0, **FAST)
     assert plan == sw.Plan() and "the empty plan" in report.notes[-1]

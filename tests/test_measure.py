@@ -494,6 +494,23 @@ def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_comes_bac
         assert len(set(pids)) == 2 and os.getpid() not in pids
 
 
+
+def test_a_progress_bar_is_redrawn_in_place_on_a_terminal_and_a_line_a_row_in_a_log(capsys, monkeypatch):
+    sw.plan_report(sw.Plan([sw.checkpoint("0")]), mlp, torch.randn(16, 32), iterations=1, warmup=1, device="cpu",
+                   progress=True)
+    assert capsys.readouterr().err.splitlines() == ["shrinkwrap: 0/2 baseline", "shrinkwrap: 1/2 checkpoint('0')",
+                                                    "shrinkwrap: 2/2 done"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = sw.ProgressBar()
+    bar(1, 4, "baseline")
+    bar(4, 4, "done")
+    drawn = capsys.readouterr().err
+    assert drawn == ("\rmeasuring [#####...............] 1/4 baseline".ljust(90)
+                     + "\rmeasuring [####################] 4/4 done".ljust(90) + "\n")  # a new line once done
+    sw.ProgressBar(quiet=True)(1, 4, "baseline")
+    assert capsys.readouterr().err == ""
+
+
 class _Recording:
     """A loss that appends its process id, float32 matmul precision and the time to a file each time it
     runs (picklable: a spawned process gets it)."""

@@ -14,7 +14,7 @@ Example::
 from . import transforms
 from ._rewrite import records, revert
 from .autoplan import autoplan
-from .compare import plan_report
+from .compare import ProgressBar, plan_report
 from .fit import Fit, Probe, fit, trains_under
 from .measure import (Estimate, Event, ModuleLog, Options, Phase, Profile, SavedTensors, Timing, estimate, measure,
                       saved_tensor_bytes, time_interleaved)
@@ -31,7 +31,7 @@ from ._version import __version__  # noqa: E402
 
 __all__ = [
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
-    "measure", "estimate", "Estimate", "Options", "plan_report", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
+    "measure", "estimate", "Estimate", "Options", "plan_report", "ProgressBar", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
     "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan", "fit", "trains_under", "Fit",
     "Probe",
     *transforms.__all__,

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from . import parallel
-from .compare import Parallelize, plan_report
+from .compare import Parallelize, ProgressBar, plan_report
 from .measure.ranks import rank_and_world
 from .measure.step import resolve_device
 from .plan import Plan
@@ -213,25 +213,6 @@ def _writable(path: str | None, what: str) -> None:
 # -- running ------------------------------------------------------------------------------
 
 
-class _Bar:
-    """Progress on stderr: a bar redrawn in place on a terminal, one line per stage in a log
-    (stderr not a terminal), none with ``--quiet``."""
-
-    def __init__(self, quiet: bool = False) -> None:
-        self.quiet, self.tty = quiet, sys.stderr.isatty()
-
-    def __call__(self, i: int, n: int, label: str) -> None:
-        if self.quiet:
-            return
-        if not self.tty:
-            sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:100]}\n")
-        else:
-            filled = int(20 * i / max(n, 1))
-            text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
-            sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
-        sys.stderr.flush()
-
-
 def _device(text: str | None) -> str:
     try:
         return str(resolve_device(text))
@@ -282,7 +263,7 @@ def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any,
     if fit and not device.startswith("cuda"):
         raise CliError("--fit trains each row under memory caps on the GPU; it needs --device cuda")
     report = plan_report(plan, factory, batch, iterations=args.iterations, device=device, snapshot=args.snapshot,
-                         progress=_Bar(args.quiet) if rank == 0 else None, name=name, parallelize=parallelize, fit=fit)
+                         progress=ProgressBar(args.quiet) if rank == 0 else None, name=name, parallelize=parallelize, fit=fit)
     return _emit(args, report) if rank == 0 else 0
 
 
@@ -427,7 +408,7 @@ def _fit(args: argparse.Namespace) -> int:
     factory, batch = load_model(args.model, args.input, args.batch)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
                             allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
-                            device=device, progress=_Bar(args.quiet), compile=args.compile or False)
+                            device=device, progress=ProgressBar(args.quiet), compile=args.compile or False)
     report.model = args.model
     _emit(args, report)
     if args.json != "-":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,6 +39,44 @@ from .report import Report, Row
 
 Progress = Callable[[int, int, str], None]
 Parallelize = Callable[[nn.Module], nn.Module]
+
+
+class ProgressBar:
+    """Progress on stderr, as a ``progress`` argument (``progress=True`` makes one): a bar redrawn
+    in place on a terminal, one line per stage in a log (stderr not a terminal), nothing where
+    ``quiet``.
+
+    Example::
+
+        >>> plan, report = sw.autoplan(make_model, batch, max_slowdown=1.2, progress=sw.ProgressBar())
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet, self.tty = quiet, sys.stderr.isatty()
+
+    def __call__(self, i: int, n: int, label: str) -> None:
+        if self.quiet:
+            return
+        if not self.tty:
+            sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:100]}\n")
+        else:
+            filled = int(20 * i / max(n, 1))
+            text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
+            sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
+        sys.stderr.flush()
+
+
+def progress_of(progress: Progress | bool | None) -> Progress | None:
+    """A ``progress`` argument as the function that is called: ``True`` a :class:`ProgressBar`,
+    ``False`` or ``None`` nothing, a function itself."""
+    if progress is True:
+        return ProgressBar()
+    if progress is None or progress is False:
+        return None
+    if not callable(progress):
+        raise TypeError(f"shrinkwrap: progress is True (a bar on stderr) or a function called as "
+                        f"progress(i, n, text); got {progress!r}")
+    return progress
 
 
 def _last_record(model: nn.Module, plan: Plan) -> tuple[tuple, tuple]:
@@ -113,7 +152,7 @@ def measure_plans(
     *,
     isolate: bool | None = None,
     snapshot: str | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
     name: str | None = None,
     keep_going: bool = False,
     parallelize: Parallelize | None = None,
@@ -133,6 +172,7 @@ def measure_plans(
 
         >>> report = measure_plans(model_maker(model, "measure_plans()"), [Plan(), Plan([sw.swish()])], batch)
     """
+    progress = progress_of(progress)
     device = resolve_device(options.device)
     options = dataclasses.replace(options, device=str(device))
     if snapshot and device.type != "cuda":
@@ -212,7 +252,7 @@ def plan_report(
     device: str | torch.device | None = None,
     isolate: bool | None = None,
     snapshot: str | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
     name: str | None = None,
     parallelize: Parallelize | None = None,
     fit: bool | None = None,
@@ -228,7 +268,8 @@ def plan_report(
             batch and loss_fn picklable (module-level functions), and a script that starts under
             ``if __name__ == "__main__":``; otherwise rows run in this process, with a note.
         snapshot: on CUDA, write one memory snapshot per row, named ``<stem>.<row><suffix>``.
-        progress: called as ``progress(row_index, row_count, text)`` before each row.
+        progress: ``True`` for a bar on stderr (:class:`ProgressBar`), or a function, called as
+            ``progress(row_index, row_count, text)`` before each row.
         name: what the report calls the model (the factory's or class's name by default).
         parallelize: ``model -> model``, called on each row's model after its plan is applied:
             ``fully_shard`` each block and the root, or wrap in DDP (see

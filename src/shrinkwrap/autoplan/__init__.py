@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 
 from .._tree import tensors, tree_map
-from ..compare import Progress, describe_batch, measure_plans
+from ..compare import Progress, describe_batch, measure_plans, progress_of
 from ..fit import ITERATIONS, Probe, trains_under
 from ..measure.ratios import CONFIDENCE, ratio_interval, slowdown_decided
 from ..measure.step import LossFn, OptimizerFactory, Options, device_name, resolve_device
@@ -121,7 +121,7 @@ def autoplan(
     tolerance: float = 0.03,
     isolate_candidates: bool = False,
     cache: dict | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
     compile: bool | str = False,
 ) -> tuple[Plan, Report]:
     """Find, by measuring, the plan that fits ``budget`` with the least slowdown.
@@ -151,6 +151,9 @@ def autoplan(
         cache: a dict to keep measurements in, keyed by plan text; pass the same dict to calls
             with the same model and batch (say ``max_slowdown=1.0`` then ``1.5``) to measure each
             candidate once.
+        progress: ``True`` for a bar on stderr (:class:`~shrinkwrap.ProgressBar`; a call takes
+            seconds to minutes, more with ``compile``), or a function called as
+            ``progress(i, n, text)`` as each stage goes on.
         compile: also try the plans compiled (stage 5 above): ``True`` for ``compile()``, or the
             compile step's text (``"compile(mode='max-autotune')"``). The answer may then end in
             ``compile()`` (or ``compile(memory_budget=0.6)``, the plan's recompute steps left to
@@ -166,7 +169,7 @@ def autoplan(
 
     Example::
 
-        >>> plan, report = sw.autoplan(make_model, batch, budget=0.6, max_slowdown=1.3)
+        >>> plan, report = sw.autoplan(make_model, batch, budget=0.6, max_slowdown=1.3, progress=True)
         >>> print(report); sw.apply(model, plan)
     """
     if budget is None and max_slowdown is None:
@@ -176,6 +179,7 @@ def autoplan(
     if maximize == "batch" and budget is None:
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
     compile_step = _compile_step(compile)
+    progress = progress_of(progress)
     make = model_maker(model_or_factory, "autoplan()")
     options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
     dev = resolve_device(device)
