@@ -284,13 +284,27 @@ elif True:
     B = 2
 if __name__ != "__main__":
     run(make)
+    C = 3
+else:
+    run(make)
+    def hidden_too(): pass
+if not __name__ == "__main__":
+    pass
+else:
+    run(make)
+if __name__ != "__main__" and t:
+    pass
+else:
+    run(make)
 run(make)
 """
     tree = ast.parse(source)
     lines = source.splitlines()
     calls = [i for i, text in enumerate(lines, 1) if text.strip() == "run(make)"]
-    assert [bool(list(_in_guard(tree, line))) for line in calls] == [True, True, False, False]
-    assert _defined_unguarded(tree) == {"t", "A", "make", "Net", "B"}  # not hidden, bound under the guard
+    # Under the guard, in either form; not where the script is run as a module too (an else of a
+    # negated guard within an ``and`` runs in a spawned process where ``t`` is false).
+    assert [bool(list(_in_guard(tree, line))) for line in calls] == [True, True, False, True, True, False, False]
+    assert _defined_unguarded(tree) == {"t", "A", "make", "Net", "B", "C"}  # not hidden, bound under the guard
 
 
 def test_bad_plan_raises_before_any_row_is_measured():

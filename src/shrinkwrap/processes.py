@@ -440,30 +440,51 @@ def _is_main_test(test: ast.expr) -> bool:
     """Whether ``test`` holds only where ``__name__ == "__main__"`` (alone, or in an ``and``)."""
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
         return any(_is_main_test(v) for v in test.values)
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+    return _compares_name(test, ast.Eq)
+
+
+def _compares_name(test: ast.expr, op: type) -> bool:
+    """Whether ``test`` is ``__name__`` compared with ``"__main__"`` by ``op`` (either side first)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], op)):
         return False
     sides = [test.left, test.comparators[0]]
     return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
         any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
 
 
+def _guarded(node: ast.stmt) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
+    """For an ``if`` on the main guard, the branch that runs only in the main script and the
+    other: ``if __name__ == "__main__":``'s body, or the ``else:`` of ``if __name__ != "__main__":``
+    (``if not __name__ == "__main__":``); None for any other statement."""
+    if not isinstance(node, ast.If):
+        return None
+    if _is_main_test(node.test):
+        return node.body, node.orelse
+    negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not) and \
+        _is_main_test(node.test.operand)
+    if negated or _compares_name(node.test, ast.NotEq):
+        return node.orelse, node.body
+    return None
+
+
 def _in_guard(tree: ast.Module, line: int) -> Iterator[ast.If]:
-    """The ``if __name__ == "__main__":`` blocks whose body holds ``line``."""
+    """The main guards (:func:`_guarded`) whose guarded branch holds ``line``."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_main_test(node.test) and \
-                any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.body):
+        branches = _guarded(node)
+        if branches and any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in branches[0]):
             yield node
 
 
 def _defined_unguarded(tree: ast.Module) -> set[str]:
-    """The names a script binds at its top level outside ``if __name__ == "__main__":`` blocks
+    """The names a script binds at its top level outside its main guards' guarded branches
     (functions, classes, assignments, imports), which a spawned process running it defines."""
     names: set[str] = set()
     todo = list(tree.body)
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and _is_main_test(node.test):
-            todo += node.orelse
+        branches = _guarded(node)
+        if branches:
+            todo += branches[1]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
