@@ -94,24 +94,7 @@ def _copy_onto(model: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-class _Kept:
-    """A factory beside one model it built that ``plan`` compiled (a process ahead's, from its first
-    iterations): :func:`_build` hands that model out for ``plan``, its gradients let go, and builds
-    any other plan's from ``make``. A new model would be built and traced by dynamo again, its
-    graphs then taken from the process's caches. On an H100 (torch 2.11, 2026-11-27) four resnet50
-    @64 plans' rows took 1.7-2.3 s on the kept model against 2.1-2.7 s on a new one, and read the
-    same peaks to the byte."""
-
-    def __init__(self, make: Callable[[], nn.Module], plan: Plan, model: nn.Module) -> None:
-        self.make, self.plan, self.model = make, plan, model
-
-
 def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
-    if isinstance(make, _Kept):
-        if plan == make.plan:
-            make.model.zero_grad(set_to_none=True)
-            return make.model
-        make = make.make
     model = make(device) if isinstance(make, _Copies) else make()
     if not isinstance(model, nn.Module):
         raise TypeError(f"shrinkwrap: the model factory returned {type(model).__name__}, not an nn.Module")
@@ -213,26 +196,21 @@ def _main_last() -> None:
 
 
 def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options,
-                 settings: dict, keep: bool = False) -> tuple[str | None, _Kept | None]:
+                 settings: dict) -> str | None:
     """In a spawned process: ``settings`` taken on (:func:`take_settings`), then ``plan``'s
     model built and run for its warm-up iterations and one more (where a compiled plan compiles
-    its forward and backward); None, or what stopped it; and with ``keep``, where it ran, the
-    model kept on the device for this process's turns (:class:`_Kept`: its optimizer, and what
-    a step left, let go)."""
+    its forward and backward); None, or what stopped it."""
     take_settings(settings)
     device = torch.device(options.device)
-    model = step = None
     try:
         model = _build(make, device, plan)
         step, _ = _setup(model, batch, options, device)
         for _ in range(options.warmup + 1):
             step()
-        return None, _Kept(make, plan, model) if keep else None
+        return None
     except Exception as exc:  # noqa: BLE001 - only a head start: the plan's own row says what fails
-        return _said(exc), None
+        return _said(exc)
     finally:
-        if model is not None:
-            model.zero_grad(set_to_none=True)
         model = step = None
         _clean(device)
 
@@ -313,10 +291,9 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     where a turn never came. An exception in a turn is this plan's entry, what it says: the
     others' turns go on (a plan out of memory where it is timed beside the baseline fails alone)."""
     started = time.perf_counter()
-    error, kept = _first_steps(make, plan, batch, options, settings, keep=then is not None)
+    error = _first_steps(make, plan, batch, options, settings)
     if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
         return error
-    make = kept or make  # the turns run the model that compiled, not a new one dynamo would trace again
     failed = None  # what a turn raised, as text: the plan's entry
     try:
         result = then(make, plan, batch, options)

@@ -130,11 +130,11 @@ class _Turn:
     rows already within them read (``within``; None where the answer is the fastest plan within
     the budget: every plan within it is timed).
 
-    The plan's graphs compiled there already, and the row and the timing run the model they
-    compiled (``make`` is a :class:`~shrinkwrap.processes._Kept`: dynamo neither compiles nor
-    traces it again), so the row's first iteration is a steady one, not a compilation. Measured
-    in the autoplan process instead, each plan compiled a second time from the on-disk caches: on
-    an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for swin_t @64, 135 s of that call's 430."""
+    The plan's graphs compiled there already: neither the row nor the timing compiles them again
+    (dynamo traces the new model from the process's own caches), so the row's first iteration is
+    a steady one, not a compilation. Measured in the autoplan process instead, each plan compiled
+    a second time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for
+    swin_t @64, 135 s of that call's 430."""
 
     metric: Callable[[Row], Any]
     slowdown: float | None
@@ -143,8 +143,7 @@ class _Turn:
     within: tuple[float, ...] | None
 
     def row(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> tuple[tuple, float]:
-        """``plan``'s row as a fresh process measures it (:func:`~shrinkwrap.compare._row`; its
-        model's optimizer state and gradients made anew, as on a model just built), with
+        """``plan``'s row as a fresh process measures it (:func:`~shrinkwrap.compare._row`), with
         the seconds it took and what it reads; and what it reads again, the key of the second
         turns (a row without a figure last)."""
         started = time.perf_counter()
