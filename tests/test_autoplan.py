@@ -292,12 +292,14 @@ def test_chosen_plan_fits_the_budget_and_is_verified():
     assert any(n.startswith("taken:") for n in report.notes)
 
 
-
 def test_progress_true_draws_the_stages_on_stderr_and_anything_else_uncallable_is_refused(capsys):
     sw.autoplan(mlp, BATCH, budget=0.45, progress=True, **FAST)
     err = capsys.readouterr().err.splitlines()  # not a terminal here: one line per stage
     assert err[0].startswith("shrinkwrap: 0/") and err[0].endswith("baseline and candidates")
-    assert any(" verify " in line for line in err)
+    assert any(" verify " in line for line in err) and err[-1] == "shrinkwrap: 1/1 done"  # a bar ends its line
+    told = []
+    sw.autoplan(mlp, BATCH, budget=0.45, progress=lambda i, n, text: told.append((i, n, text)), **FAST)
+    assert told[0][2] == "baseline and candidates" and told[-1] == (1, 1, "done")
     sw.autoplan(mlp, BATCH, budget=0.45, progress=False, **FAST)
     assert capsys.readouterr().err == ""
     with pytest.raises(TypeError, match="shrinkwrap: progress is True"):
@@ -848,11 +850,15 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     besides = []
     base = Row(sw.Plan(), dataclasses.replace(rows[0].profile, peak=3000, first_peak=4000))
     cache = {("", True): base, (r"checkpoint('layer1'), compile()", False): rows[0]}  # measured already
-    stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True)
+    stopped = []  # how many compilations ahead had started when the row process waiting was stopped
+    fresh = types.SimpleNamespace(stop_next=lambda: stopped.append(len(ahead)))
+    stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True,
+                                  fresh=fresh)
     search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room, then, after),) = ahead
+    assert stopped == [0]  # before the free memory is read: its CUDA context is no room for a plan
     # The plan measured there is a fresh process's row, with its timings in turns, and this
     # process measures the others itself (compiling them from the on-disk caches).
     (row,) = [r for r in out if str(r.plan) == texts[0]]

@@ -62,6 +62,8 @@ def test_demo_runs_and_prints_the_report(capsys, tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["rows"][0]["step"] == "baseline" and len(data["rows"]) >= 2
     assert data["model"].startswith("shrinkwrap.models:tiny_efficientnet")
+    assert main(["demo", "--batch", "2", *FAST, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # no progress with --quiet
 
 
 def test_profile_a_package_module_factory(capsys):

@@ -494,7 +494,6 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
 
-
 def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_comes_back():
     from shrinkwrap.processes import FreshProcesses
 
@@ -503,10 +502,16 @@ def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_comes_bac
             pids = [fresh.run(os.getpid) for _ in range(2)]
             waiting = fresh._next
             assert (waiting is not None) == ahead  # started as the second row came back, or not at all
-            if ahead:
-                assert fresh.run(os.getpid) not in pids  # a fresh process, not one that ran a row
         assert len(set(pids)) == 2 and os.getpid() not in pids
-
+    # Stopped at once where asked (before the GPU's free memory is read), and started again by a row.
+    with FreshProcesses(mlp, ahead=True) as fresh:
+        fresh.start_next()
+        (process,) = fresh._next._processes.values() if fresh._next._processes else (None,)
+        fresh.stop_next()
+        assert fresh._next is None and (process is None or not process.is_alive())
+        fresh.run(os.getpid)
+        assert fresh._next is not None
+    assert fresh._next is None  # closed: none left waiting
 
 
 def test_a_progress_bar_is_redrawn_in_place_on_a_terminal_and_a_line_a_row_in_a_log(capsys, monkeypatch):
@@ -523,7 +528,6 @@ def test_a_progress_bar_is_redrawn_in_place_on_a_terminal_and_a_line_a_row_in_a_
                      + "\rmeasuring [####################] 4/4 done".ljust(90) + "\n")  # a new line once done
     sw.ProgressBar(quiet=True)(1, 4, "baseline")
     assert capsys.readouterr().err == ""
-
 
 class _Recording:
     """A loss that appends its process id, float32 matmul precision and the time to a file each time it

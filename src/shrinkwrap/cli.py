@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from . import parallel
-from .compare import Parallelize, ProgressBar, plan_report
+from .compare import Parallelize, plan_report
 from .measure.ranks import rank_and_world
 from .measure.step import resolve_device
 from .plan import Plan
@@ -263,7 +263,7 @@ def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any,
     if fit and not device.startswith("cuda"):
         raise CliError("--fit trains each row under memory caps on the GPU; it needs --device cuda")
     report = plan_report(plan, factory, batch, iterations=args.iterations, device=device, snapshot=args.snapshot,
-                         progress=ProgressBar(args.quiet) if rank == 0 else None, name=name, parallelize=parallelize, fit=fit)
+                         progress=not args.quiet, name=name, parallelize=parallelize, fit=fit)
     return _emit(args, report) if rank == 0 else 0
 
 
@@ -408,7 +408,7 @@ def _fit(args: argparse.Namespace) -> int:
     factory, batch = load_model(args.model, args.input, args.batch)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
                             allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
-                            device=device, progress=ProgressBar(args.quiet), compile=args.compile or False)
+                            device=device, progress=not args.quiet, compile=args.compile or False)
     report.model = args.model
     _emit(args, report)
     if args.json != "-":

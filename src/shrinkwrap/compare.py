@@ -52,10 +52,10 @@ class ProgressBar:
     """
 
     def __init__(self, quiet: bool = False) -> None:
-        self.quiet, self.tty = quiet, sys.stderr.isatty()
+        self.quiet, self.tty = quiet, sys.stderr is not None and sys.stderr.isatty()
 
     def __call__(self, i: int, n: int, label: str) -> None:
-        if self.quiet:
+        if self.quiet or sys.stderr is None:  # pythonw, some services: no stderr to draw on
             return
         if not self.tty:
             sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:100]}\n")
@@ -67,10 +67,12 @@ class ProgressBar:
 
 
 def progress_of(progress: Progress | bool | None) -> Progress | None:
-    """A ``progress`` argument as the function that is called: ``True`` a :class:`ProgressBar`,
-    ``False`` or ``None`` nothing, a function itself."""
+    """A ``progress`` argument as the function that is called: ``True`` a :class:`ProgressBar`
+    (on rank 0 alone under a process group: every rank measures), ``False`` or ``None`` nothing, a
+    function itself."""
     if progress is True:
-        return ProgressBar()
+        ranks = rank_and_world()
+        return ProgressBar() if ranks is None or ranks[0] == 0 else None
     if progress is None or progress is False:
         return None
     if not callable(progress):
@@ -290,6 +292,7 @@ def plan_report(
         >>> print(report); report.save("report.json")
     """
     plan = as_plan(plan, "plan_report()")
+    progress = progress_of(progress)
     make = model_maker(model_or_factory, "plan_report()")
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     if plan.steps:

@@ -691,14 +691,22 @@ class FreshProcesses:
             # not this process's allocator's, so no reading here counts it.
             self._exiting.append(_stop(pool))
         if self.ahead:
-            self.start_next()
+            try:
+                self.start_next()
+            except Exception:  # noqa: BLE001 - only a head start: the next run starts its own, or says why not
+                pass
         return result
 
-    def close(self) -> None:
+    def stop_next(self) -> None:
+        """Stop the process started ahead, if any, at once: it has measured nothing. Before work
+        that reads the GPU's free memory (its CUDA context would count as taken); the next
+        :meth:`run` starts one again."""
         if self._next is not None:
-            # Unused, it has measured nothing: stopped at once (it may still be importing).
-            _end(_stop(self._next), grace=0)
+            _end(_stop(self._next), grace=0)  # it may still be importing
             self._next = None
+
+    def close(self) -> None:
+        self.stop_next()
         for ending in self._exiting:
             _end(ending, grace=10)  # its row came back: nothing is left for it to do
         self._exiting.clear()

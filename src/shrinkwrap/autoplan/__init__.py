@@ -186,8 +186,11 @@ def autoplan(
     cuda = dev.type == "cuda"
     with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache,
                                                 warmup)) as rows:
-        return _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
-                         isolate_candidates, progress, compile_step)
+        answer = _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
+                           isolate_candidates, progress, compile_step)
+    if progress:
+        progress(1, 1, "done")  # a bar ends its line
+    return answer
 
 
 def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str]]:

@@ -669,6 +669,7 @@ class _Search:
         if progress:
             progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
         started = time.perf_counter()
+        self.rows.fresh.stop_next()  # its CUDA context is no room for a plan
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
         within = self.within(beside)
