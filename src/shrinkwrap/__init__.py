@@ -31,9 +31,9 @@ from ._version import __version__  # noqa: E402
 
 __all__ = [
     "Plan", "PlanError", "Step", "apply", "revert", "records", "select", "SelectionError",
-    "measure", "estimate", "Estimate", "Options", "plan_report", "ProgressBar", "Profile", "Phase", "Event", "ModuleLog", "Report", "Row",
-    "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan", "fit", "trains_under", "Fit",
-    "Probe",
+    "measure", "estimate", "Estimate", "Options", "plan_report", "ProgressBar", "Profile", "Phase", "Event", "ModuleLog",
+    "Report", "Row", "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan", "fit",
+    "trains_under", "Fit", "Probe",
     *transforms.__all__,
     *(_cls.name for _cls in registered()),
 ]

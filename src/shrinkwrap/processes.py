@@ -648,7 +648,7 @@ class FreshProcesses:
     (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
     that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, the next is
     started as each row comes back, for a caller that does other work between rows (autoplan: on
-    an H200, a row's process took 3-5 s to import torch and 0.5-2 s to start CUDA before it built
+    an H200, a row's process took 3-5 s to import torch and 0.5-3 s to start CUDA before it built
     the model). One started and never used is stopped by :meth:`close`.
 
     Example::
