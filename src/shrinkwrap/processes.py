@@ -343,7 +343,8 @@ def _unsendable(args: tuple) -> str | None:
         return (f"{finder.names[0]} is defined in __main__ here (an interactive session, python -c or a "
                 "notebook), which a spawned process cannot import: define it in a module and import it")
     tree = _script(main.__file__) if getattr(main, "__file__", None) else None
-    hidden = [n for n in finder.names if tree is not None and n.split(".")[0] not in _defined_unguarded(tree)]
+    bound = _defined_unguarded(tree) if tree is not None else None
+    hidden = [n for n in finder.names if bound is not None and n.split(".")[0] not in bound]
     if hidden:
         return (f"{hidden[0]} is defined under `if __name__ == \"__main__\":`, which a spawned process does not "
                 "run, so it cannot find it there: define it above that line")
