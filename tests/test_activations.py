@@ -598,3 +598,65 @@ def test_bn_act_names_why_an_activation_that_computes_swish_is_not_fused():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), DetachedSwish(), nn.Conv2d(4, 4, 1)).to(F64)
     with pytest.raises(sw.SelectionError, match="DetachedSwish, which shrinkwrap cannot fuse: it returns swish.s values but not its gradient"):
         sw.apply_bn_act(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_close_decides_as_assert_close_does_at_each_dtypes_tolerance(dtype):
+    """_close is assert_close's test at its default tolerance (float64's tightened to 1e-12 and
+    1e-14) without the message: the same verdict on pairs either side of the tolerance, NaN,
+    infinity, and shape or dtype unlike."""
+    from shrinkwrap.transforms.activations import _TOLERANCE, _close
+
+    rtol, atol = _TOLERANCE[dtype]
+    x = torch.linspace(-6, 6, 240, dtype=torch.float64)
+    pairs = []
+    for k in (0.0, 0.5, 0.99, 1.01, 2.0, 50.0):
+        step = (atol + rtol * x.abs()) * k
+        pairs += [(x, x + step), (x, x - step), (x, x + step * (torch.arange(240) % 7 == 3))]
+    nan, inf = x.clone(), x.clone()
+    nan[5], inf[7] = math.nan, math.inf
+    pairs += [(nan, nan), (inf, inf), (inf, x), (x, x.reshape(2, 120)), (x, x.float() if dtype == torch.float64 else x)]
+    seen = set()
+    for a, b in pairs:
+        a, b = a.to(dtype), b.to(dtype) if b.dtype == torch.float64 else b
+        try:
+            torch.testing.assert_close(a, b, **(dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else {}))
+            expected = True
+        except AssertionError:
+            expected = False
+        assert _close(a, b) is expected
+        seen.add(expected)
+    assert seen == {True, False}
+
+
+def test_torchs_inert_modules_are_not_probed_and_probing_them_finds_no_kind(monkeypatch):
+    """Each of torch's stateless modules taken as computing none of the kinds, probed, computes none
+    (so skipping the probe changes no answer); then it is not probed, while nn.GELU('tanh'), a
+    subclass of one, and a hand-written Swish still are."""
+    from shrinkwrap.transforms import activations as act
+
+    modules = [cls() for cls in act._INERT if cls not in (nn.Softmax, nn.LogSoftmax, nn.AdaptiveAvgPool1d,
+                                                           nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AvgPool1d,
+                                                           nn.AvgPool2d, nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool2d,
+                                                           nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)]
+    modules += [nn.Softmax(-1), nn.LogSoftmax(1), nn.AdaptiveAvgPool1d(8), nn.AdaptiveAvgPool2d(1),
+                nn.AdaptiveAvgPool3d(2), nn.AvgPool1d(1), nn.AvgPool2d(1), nn.AvgPool3d(1), nn.MaxPool1d(1),
+                nn.MaxPool2d(1, padding=0), nn.MaxPool3d(1), nn.AdaptiveMaxPool1d(8), nn.AdaptiveMaxPool2d(1),
+                nn.Dropout(0.0).eval(), nn.LeakyReLU(1.0), nn.ELU(0.0), nn.Hardtanh(-6, 6), nn.ReLU6(True)]
+    assert {type(m) for m in modules} == set(act._INERT)
+    for m in modules:
+        assert act._probe(m, torch.float64, torch.device("cpu"))[0] is None, m
+
+    class MyReLU(nn.ReLU):
+        def forward(self, x):
+            return x * torch.sigmoid(x)
+
+    probed = []
+    real = act._probe
+    monkeypatch.setattr(act, "_probe", lambda m, *a, **k: probed.append(type(m)) or real(m, *a, **k))
+    for m in modules:
+        assert act._activation_kind(m, torch.float64, torch.device("cpu")) == (None, act._NONE)
+    assert probed == []
+    assert act._activation_kind(nn.GELU(approximate="tanh"), torch.float64, torch.device("cpu"))[0] == "gelu_tanh"
+    assert act._activation_kind(MyReLU(), torch.float64, torch.device("cpu")) == ("swish", "")
+    assert probed == [nn.GELU, MyReLU]
