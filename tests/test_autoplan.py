@@ -1491,6 +1491,33 @@ def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_mean
     assert after == 0
 
 
+def test_what_autoplan_made_alive_before_the_baseline_row_is_set_aside_too_and_a_rows_garbage_is_not():
+    """Objects made after autoplan began and alive once the baseline is measured (here, what the
+    factory keeps, as an import keeps its module) are frozen for the candidates' rows, so that each
+    row's full collection does not walk them; a row's own objects are not, and everything is back
+    with the collector afterwards."""
+    import gc
+
+    kept: list = []
+
+    def factory():
+        if not kept:
+            kept.append([object() for _ in range(10)])
+        return mlp()
+
+    seen = []
+
+    def loss(out):
+        row_own = [object()]
+        alive = {id(o) for o in gc.get_objects()}
+        seen.append((id(kept[0]) in alive, id(row_own) in alive))
+        return out.mean()
+
+    sw.autoplan(factory, BATCH, budget=0.45, loss_fn=loss, **FAST)
+    assert seen[-1] == (False, True), seen[-5:]  # a candidate's row: the factory's objects frozen, its own not
+    assert any(o is kept[0] for o in gc.get_objects()) and gc.get_freeze_count() == 0
+
+
 FIRST_ROW = '''
 import sys
 import torch

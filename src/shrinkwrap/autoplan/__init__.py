@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import re
 import time
@@ -223,6 +224,11 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # each in a fresh process on CUDA, or as fresh: first in this process, where nothing of it is
     # on the GPU yet (see _Rows).
     base = rows([Plan()], True)[0]
+    # What autoplan made alive since it began is set aside from the collector as well (see
+    # _gc_frozen): listing the candidates imports dynamo and sympy, 118k objects, and each row
+    # walked them in its full collections (maxvit_t @64 on an H200: 3.4 s of an eager call's
+    # collections, 0.5 s with them set aside). Nothing of the baseline's row is left to collect now.
+    gc.freeze()
     if base.profile is None and base.status == "oom":
         raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "
                            "autoplan measures every plan against it: pass a batch it fits at (with a budget, "
