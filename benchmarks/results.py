@@ -325,6 +325,28 @@ def compile_time_section() -> list[str]:
     return out + [f"Runs: {stamp(rows)}.", ""]
 
 
+def per_round_section() -> list[str]:
+    rows = load("per_round.json")
+    if not rows:
+        return []
+    from per_round import LIMITS, ROUNDS, replayed  # imports torch: only where there are rows
+
+    from shrinkwrap.measure.ratios import PER_ROUND
+
+    models = sorted({r["model"] for r in rows})
+    out = ["## Timing in turns: iterations a round", "",
+           f"`benchmarks/per_round.py`: {len({(r['model'], r['plan']) for r in rows})} plans of {', '.join(models)} "
+           f"(zoo batches), each timed twice in turns with the model as it is, {ROUNDS} rounds of 6 iterations; "
+           f"autoplan's rules (five rounds, then one at a time until an 80% interval of the median ratio lies on one "
+           f"side of the limit plus 3%, {ROUNDS} at most) replayed on the first k iterations of each round, at "
+           f"{len(LIMITS)} limits ({LIMITS[0]}-{LIMITS[-1]}x), each decision checked against the same plan's other "
+           f"timing (its median ratio over every iteration). autoplan times {PER_ROUND} iterations a round.", ""]
+    out += table(["iterations a round", "iterations spent", "decided as the other timing reads", "undecided after "
+                  f"{ROUNDS} rounds (the median decides)"],
+                 [[f"{r['k']}{' (autoplan)' if r['k'] == PER_ROUND else ''}", str(r["iterations"]),
+                   f"{r['agree']} of {r['decisions']}", str(r["undecided"])] for r in replayed(rows)])
+    return out + [f"Runs: {stamp(rows)}.", ""]
+
 # -- autoplan on the zoo -----------------------------------------------------------------------------
 ZOO_ROWS = ("ckpt_every_block+bf16", "ckpt_every_block+bf16_compiled", "compile_budget0.5+bf16")
 ZOO_AUTO = ("auto_fast", "auto_small", "auto_compile")
@@ -442,8 +464,8 @@ def make() -> str:
              "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
              "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
              "turns.", ""]
-    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, lm_section,
-                    multigpu_section):
+    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, per_round_section,
+                    lm_section, multigpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
 

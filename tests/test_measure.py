@@ -428,6 +428,25 @@ def test_time_interleaved_goes_on_round_by_round_until_told_and_no_further_than_
     assert all(len(t.rounds_ms) == 4 for t in capped.values())
 
 
+def test_a_plan_timed_against_the_baseline_runs_rounds_of_per_round_iterations_whatever_the_options_say():
+    """Rounds of PER_ROUND iterations of each model (the options' iterations are a row's), after
+    each model's warm-up, five rounds at least."""
+    from shrinkwrap.measure.ratios import PER_ROUND, timed_against
+
+    calls = []
+
+    def loss(out):
+        calls.append(out.shape[-1])
+        return out.mean()
+
+    base, plan = nn.Linear(4, 3), nn.Linear(4, 5)
+    opts = sw.Options(loss_fn=loss, device="cpu", warmup=2, iterations=7)
+    b, p = timed_against(base, plan, torch.randn(2, 4), opts, max_slowdown=1.0)
+    rounds = len(b.rounds_ms)
+    assert PER_ROUND == 3 and rounds == len(p.rounds_ms) >= 5
+    assert calls.count(3) == calls.count(5) == 2 + rounds * PER_ROUND
+
+
 def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_recompute():
     import time
 

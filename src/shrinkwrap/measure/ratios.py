@@ -13,6 +13,13 @@ import torch.nn as nn
 from .step import Options, Timing, time_interleaved
 
 MAX_ROUNDS = 15  # rounds in turns at most (see timed_against); undecided after them, by the median
+# Iterations of each model a round (see timed_against). Time drifts between rounds more than the
+# iterations of one round scatter: 12 plans of efficientnet_b0, maxvit_t and densenet121 on an
+# H200, each timed twice for 15 rounds of 6, were decided at 8 limits (0.8-1.5x) by these rules as
+# the other timing of the same plan read them 176 times in 192 on the first 3 iterations of each
+# round, and 174 on the first 5, in 39% fewer iterations; the interval left 32 and 26 undecided
+# after 15 rounds (benchmarks/per_round.py).
+PER_ROUND = 3
 CONFIDENCE = 0.8  # a step-time limit is decided once the ratio's interval of this confidence is on one side,
 
 
@@ -93,9 +100,10 @@ def slowdown_decided(baseline: Timing, plan: Timing, max_slowdown: float, tolera
 def timed_against(baseline: nn.Module, plan: nn.Module, batch: Any, options: Options, max_slowdown: float,
                   tolerance: float = 0.03) -> tuple[Timing, Timing]:
     """``baseline`` and ``plan`` (two models) timed in turns (:func:`time_interleaved`): five
-    rounds, then one at a time until they decide ``max_slowdown`` (:func:`slowdown_decided`),
-    :data:`MAX_ROUNDS` at most. The timings a step-time limit is decided on, baseline's first."""
+    rounds of :data:`PER_ROUND` iterations each, then one at a time until they decide
+    ``max_slowdown`` (:func:`slowdown_decided`), :data:`MAX_ROUNDS` at most. The timings a
+    step-time limit is decided on, baseline's first."""
     timings = time_interleaved(
-        {"baseline": baseline, "plan": plan}, batch, options, rounds=5, per_round=options.iterations,
+        {"baseline": baseline, "plan": plan}, batch, options, rounds=5, per_round=PER_ROUND,
         until=lambda t: slowdown_decided(t["baseline"], t["plan"], max_slowdown, tolerance), max_rounds=MAX_ROUNDS)
     return timings["baseline"], timings["plan"]
