@@ -63,6 +63,13 @@ def collect(name: str) -> list[dict]:
         return out
 
     harness._timed = kept
+    try:
+        return _timings(name, make, batch, times)
+    finally:
+        harness._timed = timed
+
+
+def _timings(name: str, make, batch, times: list[list[float]]) -> list[dict]:
     rows = []
     for text in PLANS[name]:
         for timing in range(TIMINGS):
@@ -76,7 +83,6 @@ def collect(name: str) -> list[dict]:
             rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
                          "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                          "date": datetime.date.today().isoformat()})
-    harness._timed = timed
     return rows
 
 

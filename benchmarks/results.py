@@ -326,23 +326,24 @@ def compile_time_section() -> list[str]:
 
 
 def per_round_section() -> list[str]:
-    rows = load("per_round.json")
+    # A plan's newest timings: a run appended later replaces the earlier one's.
+    rows = latest(load("per_round.json"), lambda r: (r["model"], r["plan"], r["timing"]))
     if not rows:
         return []
-    from per_round import LIMITS, ROUNDS, replayed  # imports torch: only where there are rows
+    from per_round import ITERATIONS, LIMITS, ROUNDS, replayed  # imports torch: only where there are rows
 
-    from shrinkwrap.measure.ratios import PER_ROUND
+    from shrinkwrap.measure.ratios import MAX_ROUNDS, PER_ROUND
 
     models = sorted({r["model"] for r in rows})
     out = ["## Timing in turns: iterations a round", "",
            f"`benchmarks/per_round.py`: {len({(r['model'], r['plan']) for r in rows})} plans of {', '.join(models)} "
-           f"(zoo batches), each timed twice in turns with the model as it is, {ROUNDS} rounds of 6 iterations; "
-           f"autoplan's rules (five rounds, then one at a time until an 80% interval of the median ratio lies on one "
-           f"side of the limit plus 3%, {ROUNDS} at most) replayed on the first k iterations of each round, at "
+           f"(zoo batches), each timed twice in turns with the model as it is, {ROUNDS} rounds of {ITERATIONS} "
+           f"iterations; autoplan's rules (five rounds, then one at a time until an 80% interval of the median ratio "
+           f"lies on one side of the limit plus 3%, {MAX_ROUNDS} at most) replayed on the first k iterations of each round, at "
            f"{len(LIMITS)} limits ({LIMITS[0]}-{LIMITS[-1]}x), each decision checked against the same plan's other "
            f"timing (its median ratio over every iteration). autoplan times {PER_ROUND} iterations a round.", ""]
     out += table(["iterations a round", "iterations spent", "decided as the other timing reads", "undecided after "
-                  f"{ROUNDS} rounds (the median decides)"],
+                  f"{MAX_ROUNDS} rounds (the median decides)"],
                  [[f"{r['k']}{' (autoplan)' if r['k'] == PER_ROUND else ''}", str(r["iterations"]),
                    f"{r['agree']} of {r['decisions']}", str(r["undecided"])] for r in replayed(rows)])
     return out + [f"Runs: {stamp(rows)}.", ""]

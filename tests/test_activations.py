@@ -605,9 +605,11 @@ def test_close_decides_as_assert_close_does_at_each_dtypes_tolerance(dtype):
     """_close is assert_close's test at its default tolerance (float64's tightened to 1e-12 and
     1e-14) without the message: the same verdict on pairs either side of the tolerance, NaN,
     infinity, and shape or dtype unlike."""
-    from shrinkwrap.transforms.activations import _TOLERANCE, _close
+    from shrinkwrap.transforms.activations import _close
 
-    rtol, atol = _TOLERANCE[dtype]
+    # assert_close's defaults, and float64's tightened: fixed here, not read from the code tested
+    rtol, atol = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+                  torch.float64: (1e-12, 1e-14)}[dtype]
     x = torch.linspace(-6, 6, 240, dtype=torch.float64)
     pairs = []
     for k in (0.0, 0.5, 0.99, 1.01, 2.0, 50.0):
@@ -627,6 +629,8 @@ def test_close_decides_as_assert_close_does_at_each_dtypes_tolerance(dtype):
         assert _close(a, b) is expected
         seen.add(expected)
     assert seen == {True, False}
+    meta = torch.empty(3, device="meta", dtype=dtype)
+    assert _close(meta, meta)  # as assert_close: a meta tensor has no values to differ
 
 
 def test_torchs_inert_modules_are_not_probed_and_probing_them_finds_no_kind(monkeypatch):
@@ -659,4 +663,7 @@ def test_torchs_inert_modules_are_not_probed_and_probing_them_finds_no_kind(monk
     assert probed == []
     assert act._activation_kind(nn.GELU(approximate="tanh"), torch.float64, torch.device("cpu"))[0] == "gelu_tanh"
     assert act._activation_kind(MyReLU(), torch.float64, torch.device("cpu")) == ("swish", "")
-    assert probed == [nn.GELU, MyReLU]
+    patched = nn.ReLU()
+    patched.forward = lambda x: x * torch.sigmoid(x)
+    assert act._activation_kind(patched, torch.float64, torch.device("cpu")) == ("swish", "")
+    assert probed == [nn.GELU, MyReLU, nn.ReLU]

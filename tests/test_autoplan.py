@@ -1491,11 +1491,11 @@ def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_mean
     assert after == 0
 
 
-def test_what_autoplan_made_alive_before_the_baseline_row_is_set_aside_too_and_a_rows_garbage_is_not():
+def test_what_autoplan_made_alive_before_the_baseline_row_is_set_aside_too_and_a_rows_garbage_is_not(monkeypatch):
     """Objects made after autoplan began and alive once the baseline is measured (here, what the
     factory keeps, as an import keeps its module) are frozen for the candidates' rows, so that each
-    row's full collection does not walk them; a row's own objects are not, and everything is back
-    with the collector afterwards."""
+    row's full collection does not walk them; a row's own objects are not, nor what earlier rows
+    left, and everything is back with the collector afterwards."""
     import gc
 
     kept: list = []
@@ -1505,16 +1505,23 @@ def test_what_autoplan_made_alive_before_the_baseline_row_is_set_aside_too_and_a
             kept.append([object() for _ in range(10)])
         return mlp()
 
-    seen = []
+    from shrinkwrap.autoplan import stages
+
+    seen, earlier, calls = [], [], []
+    rows = stages._Rows.__call__
+    monkeypatch.setattr(stages._Rows, "__call__", lambda self, *a: calls.append(1) or rows(self, *a))
 
     def loss(out):
         row_own = [object()]
         alive = {id(o) for o in gc.get_objects()}
-        seen.append((id(kept[0]) in alive, id(row_own) in alive))
+        seen.append((id(kept[0]) in alive, id(row_own) in alive, all(id(o) in alive for o in earlier)))
+        if len(calls) > 1:  # a row after the baseline's: what it leaves alive is set aside by no later freeze
+            earlier.append(row_own)
         return out.mean()
 
     sw.autoplan(factory, BATCH, budget=0.45, loss_fn=loss, **FAST)
-    assert seen[-1] == (False, True), seen[-5:]  # a candidate's row: the factory's objects frozen, its own not
+    # A candidate's row: the factory's objects frozen, its own and the rows' before it not.
+    assert len(earlier) > 10 and seen[-1] == (False, True, True), seen[-5:]
     assert any(o is kept[0] for o in gc.get_objects()) and gc.get_freeze_count() == 0
 
 

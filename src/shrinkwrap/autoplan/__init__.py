@@ -138,11 +138,14 @@ def autoplan(
         maximize: ``"speed"`` (default), or ``"batch"``: the largest batch (scaling ``batch`` along
             its first dimension) that fits ``budget`` with the least-memory plan within
             ``max_slowdown``.
-        loss_fn, optimizer, device, iterations: as :func:`shrinkwrap.measure`.
+        loss_fn, optimizer, device: as :func:`shrinkwrap.measure`.
+        iterations: each row's timed iterations, as :func:`shrinkwrap.measure`; timing in turns
+            runs rounds of its own size (:data:`~shrinkwrap.measure.ratios.PER_ROUND`).
         warmup: iterations before a row is measured, as :func:`shrinkwrap.measure`; by default one
             for an eager plan (its second iteration is steady) and two for a compiled one.
         tolerance: how far over ``max_slowdown`` a plan may time and still count as within it.
-            A chosen plan is timed in turns with the baseline in one process, five rounds and more
+            A chosen plan is timed in turns with the baseline in one process, five rounds of three
+            iterations and more
             until an 80% interval of the ratio lies within or over the limit (at most 15), and the
             limit is decided on the median ratio (:func:`slowdown_decided`).
         isolate_candidates: measure each candidate in its own process too. By default candidates
@@ -227,7 +230,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # What autoplan made alive since it began is set aside from the collector as well (see
     # _gc_frozen): listing the candidates imports dynamo and sympy, 118k objects, and each row
     # walked them in its full collections (maxvit_t @64 on an H200: 3.4 s of an eager call's
-    # collections, 0.5 s with them set aside). Nothing of the baseline's row is left to collect now.
+    # collections, 0.5 s with them set aside). Collected first, so that no garbage is set aside.
+    gc.collect()
     gc.freeze()
     if base.profile is None and base.status == "oom":
         raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "

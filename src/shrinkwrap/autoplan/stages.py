@@ -212,7 +212,8 @@ def _gc_frozen() -> Iterator[None]:
     after the start, so it is still collected. Everything frozen is unfrozen at the end, what the
     caller may have frozen before too (Python 3.12 starts with objects frozen): back in the oldest
     generation, collected as usual; only a process that froze objects to keep memory pages shared
-    with its forks would notice."""
+    with its forks would notice. autoplan freezes once more after the baseline's row, what it
+    imported meanwhile (see ``_autoplan``)."""
     gc.freeze()
     try:
         yield

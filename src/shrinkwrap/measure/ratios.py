@@ -18,7 +18,8 @@ MAX_ROUNDS = 15  # rounds in turns at most (see timed_against); undecided after 
 # H200, each timed twice for 15 rounds of 6, were decided at 8 limits (0.8-1.5x) by these rules as
 # the other timing of the same plan read them 176 times in 192 on the first 3 iterations of each
 # round, and 174 on the first 5, in 39% fewer iterations; the interval left 32 and 26 undecided
-# after 15 rounds (benchmarks/per_round.py).
+# after 15 rounds (benchmarks/per_round.py). So a caller's larger ``iterations`` (a row's) does
+# not lengthen the rounds.
 PER_ROUND = 3
 CONFIDENCE = 0.8  # a step-time limit is decided once the ratio's interval of this confidence is on one side,
 

@@ -131,7 +131,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     (autoplan applies a plan to each copy it measures)."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    if a.dtype not in _TOLERANCE:
+    if a.dtype not in _TOLERANCE or a.layout != torch.strided or b.layout != torch.strided or a.is_meta:
         try:
             torch.testing.assert_close(a, b)
         except AssertionError:
@@ -153,7 +153,8 @@ def _native_kind(module: nn.Module) -> str | None:
 
 
 # torch's own stateless modules that compute none of the kinds whatever their arguments: not
-# probed (a test probes each to be sure), their class exactly (a subclass may compute anything).
+# probed (a test probes each to be sure), their class exactly and its own forward (a subclass, or a
+# forward set on the instance, may compute anything).
 # nn.GELU is not among them: with approximate='tanh' it is the tanh GELU.
 _INERT = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.ReLU, nn.ReLU6,
           nn.LeakyReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Hardsigmoid, nn.Hardtanh, nn.Softmax, nn.LogSoftmax,
@@ -239,7 +240,7 @@ def _activation_kind(module: nn.Module, dtype: torch.dtype, device: torch.device
         return None, "has parameters or buffers (state); shrinkwrap never replaces a module with state"
     if has_hooks(module):
         return None, "has hooks, which a replacement would drop"
-    if type(module) in _INERT:
+    if type(module) in _INERT and "forward" not in module.__dict__:
         return None, _NONE
     return _probe(module, dtype, device, inplace_ok)
 
