@@ -145,9 +145,8 @@ def autoplan(
             for an eager plan (its second iteration is steady) and two for a compiled one.
         tolerance: how far over ``max_slowdown`` a plan may time and still count as within it.
             A chosen plan is timed in turns with the baseline in one process, five rounds of three
-            iterations and more
-            until an 80% interval of the ratio lies within or over the limit (at most 15), and the
-            limit is decided on the median ratio (:func:`slowdown_decided`).
+            iterations and more until an 80% interval of the ratio lies within or over the limit
+            (at most 15), and the limit is decided on the median ratio (:func:`slowdown_decided`).
         isolate_candidates: measure each candidate in its own process too. By default candidates
             are measured in this process (a fresh model each, caches emptied: seconds instead of
             a process start each), and every chosen plan that fits in this process again in a
