@@ -63,26 +63,22 @@ def collect(name: str) -> list[dict]:
         return out
 
     harness._timed = kept
+    rows = []
     try:
-        return _timings(name, make, batch, times)
+        for text in PLANS[name]:
+            for timing in range(TIMINGS):
+                times.clear()
+                sw.time_interleaved({"baseline": make(), "plan": sw.apply(make(), text)}, batch,
+                                    sw.Options(device="cuda", warmup=1), rounds=ROUNDS, per_round=ITERATIONS)
+                # Round r runs the baseline first where r is even, the plan first where it is odd.
+                firsts, seconds = times[0::2], times[1::2]
+                base = [f if r % 2 == 0 else s for r, (f, s) in enumerate(zip(firsts, seconds))]
+                plan = [s if r % 2 == 0 else f for r, (f, s) in enumerate(zip(firsts, seconds))]
+                rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
+                             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                             "date": datetime.date.today().isoformat()})
     finally:
         harness._timed = timed
-
-
-def _timings(name: str, make, batch, times: list[list[float]]) -> list[dict]:
-    rows = []
-    for text in PLANS[name]:
-        for timing in range(TIMINGS):
-            times.clear()
-            sw.time_interleaved({"baseline": make(), "plan": sw.apply(make(), text)}, batch,
-                                sw.Options(device="cuda", warmup=1), rounds=ROUNDS, per_round=ITERATIONS)
-            # Round r runs the baseline first where r is even, the plan first where it is odd.
-            firsts, seconds = times[0::2], times[1::2]
-            base = [f if r % 2 == 0 else s for r, (f, s) in enumerate(zip(firsts, seconds))]
-            plan = [s if r % 2 == 0 else f for r, (f, s) in enumerate(zip(firsts, seconds))]
-            rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
-                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                         "date": datetime.date.today().isoformat()})
     return rows
 
 

@@ -339,14 +339,15 @@ def per_round_section() -> list[str]:
            f"`benchmarks/per_round.py`: {len({(r['model'], r['plan']) for r in rows})} plans of {', '.join(models)} "
            f"(zoo batches), each timed twice in turns with the model as it is, {ROUNDS} rounds of {ITERATIONS} "
            f"iterations; autoplan's rules (five rounds, then one at a time until an 80% interval of the median ratio "
-           f"lies on one side of the limit plus 3%, {MAX_ROUNDS} at most) replayed on the first k iterations of each round, at "
-           f"{len(LIMITS)} limits ({LIMITS[0]}-{LIMITS[-1]}x), each decision checked against the same plan's other "
+           f"lies on one side of the limit plus 3%, {MAX_ROUNDS} at most) replayed on the first k iterations of each "
+           f"round, at {len(LIMITS)} limits ({LIMITS[0]}-{LIMITS[-1]}x), each decision checked against the same plan's other "
            f"timing (its median ratio over every iteration). autoplan times {PER_ROUND} iterations a round.", ""]
     out += table(["iterations a round", "iterations spent", "decided as the other timing reads", "undecided after "
                   f"{MAX_ROUNDS} rounds (the median decides)"],
                  [[f"{r['k']}{' (autoplan)' if r['k'] == PER_ROUND else ''}", str(r["iterations"]),
                    f"{r['agree']} of {r['decisions']}", str(r["undecided"])] for r in replayed(rows)])
     return out + [f"Runs: {stamp(rows)}.", ""]
+
 
 # -- autoplan on the zoo -----------------------------------------------------------------------------
 ZOO_ROWS = ("ckpt_every_block+bf16", "ckpt_every_block+bf16_compiled", "compile_budget0.5+bf16")

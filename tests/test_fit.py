@@ -81,7 +81,7 @@ def test_autoplan_answers_with_the_first_plan_that_trains_under_the_budget_s_cap
         return Probe(cap, len(tried) == 2, oom=len(tried) != 2, error="CUDA out of memory", reserved=cap // 2)
 
     class Rows:
-        make, batch, options = nn.Linear, torch.randn(2, 4), sw.Options()
+        make, batch, options, unsendable = nn.Linear, torch.randn(2, 4), sw.Options(), None
 
         def options_for(self, plan):
             return self.options

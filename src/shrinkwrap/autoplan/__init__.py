@@ -61,7 +61,7 @@ from ..fit import ITERATIONS, Probe, trains_under
 from ..measure.ratios import CONFIDENCE, ratio_interval, slowdown_decided
 from ..measure.step import LossFn, OptimizerFactory, Options, device_name, resolve_device
 from ..plan import Plan
-from ..processes import _unsendable, model_maker
+from ..processes import model_maker
 from ..report import Report, Row
 from .choose import Effect, candidates, _priced, _effect_notes
 from .compiled import _Ahead, _compile_step
@@ -467,10 +467,9 @@ def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row |
     marked on the row, and a note per plan tried. (None, notes) where none does, or where the rows
     cannot be sent to a fresh process (a note says so)."""
     notes = []
-    why = _unsendable((rows.make, rows.batch, rows.options))
-    if why:
+    if rows.unsendable:  # read on CUDA, where this is called
         return rows_in_order[0] if rows_in_order else None, [
-            f"not trained under the budget's cap (it trains in fresh processes): {why}"]
+            f"not trained under the budget's cap (it trains in fresh processes): {rows.unsendable}"]
     for row in rows_in_order:
         probe: Probe = trains_under(rows.make, rows.batch, int(cap), row.plan, rows.options_for(row.plan))
         if probe.ok:
