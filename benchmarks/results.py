@@ -325,6 +325,28 @@ def compile_time_section() -> list[str]:
     return out + [f"Runs: {stamp(rows)}.", ""]
 
 
+def compile_plans_section() -> list[str]:
+    rows = load("compile_plans.json")  # in the order they ran: a comparison holds within one call
+    if not rows:
+        return []
+    out = ["## What compile=True pays per plan", "",
+           "`benchmarks/compile_plans.py`: four plans of the kinds autoplan's compile stage compiles, each in a fresh "
+           "process as its processes ahead compile them (the zoo's batch; build, then warm-up and one more "
+           "iteration): alone with empty caches, one after another in the same caches (after), four side by side. "
+           "Rows in the order they ran. efficientnet_b0's rows and swin_t's first three come from one call, the two "
+           "models side by side on one host, a GPU each; swin_t's last five from a second call on another host, "
+           "its side_by_side run beside its second alone run. Seconds: the run's wall clock, the build, the first "
+           "iteration, and of it, from dynamo's timers, the forward traced and compiled, the backward compiled, "
+           "inductor in both, and kernel configurations tuned on the GPU.", ""]
+    out += table(["model", "run", "plan", "at once", "run s", "build s", "first iteration s", "forward s", "backward s",
+                  "inductor s", "tuning s"],
+                 [[r["model"], r["run"], code(r["plan"]), str(r["at_once"]), num(r["wall_s"]),
+                   *([f"error: {r['error']}"] + ["-"] * 5 if "error" in r else
+                     [num(r.get(k)) for k in ("setup_s", "first_s", "forward_s", "backward_s", "inductor_s",
+                                               "tuning_s")])] for r in rows])
+    return out + [f"Runs: {stamp([r for r in rows if 'gpu' in r])}.", ""]
+
+
 def per_round_section() -> list[str]:
     # A plan's newest timings: a run appended later replaces the earlier one's.
     rows = latest(load("per_round.json"), lambda r: (r["model"], r["plan"], r["timing"]))
@@ -466,7 +488,8 @@ def make() -> str:
              "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
              "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
              "turns.", ""]
-    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, per_round_section,
+    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, compile_plans_section,
+                    per_round_section,
                     lm_section, multigpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
