@@ -12,7 +12,7 @@ Runs (``--runs``), in this order: ``alone``, plan 0 with empty caches; ``after``
 at once with empty caches. Each process builds the zoo's model
 (``zoo.setup``: its batch), applies the plan and runs a process ahead's iterations (warm-up and one
 more), then writes one JSON line: the seconds to build, the first iteration's seconds, and from
-dynamo's timers where they went (``TIMERS``). The driver adds each run's wall seconds.
+dynamo's timers where they went (``TIMERS``), and how many graphs dynamo compiled. The driver adds each run's wall seconds.
 ``benchmarks/results.py`` makes RESULTS.md's table from the rows, in the order they ran.
 """
 
@@ -57,7 +57,7 @@ def work(name: str, index: int) -> dict:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "src"))
     import torch
-    from torch._dynamo.utils import compile_times
+    from torch._dynamo.utils import compile_times, counters
 
     import shrinkwrap as sw
     from shrinkwrap.measure.step import Options, _setup
@@ -78,6 +78,7 @@ def work(name: str, index: int) -> dict:
     timers = dict(zip(names, map(float, values)))
     return {"setup_s": round(built - started, 1), "first_s": round(first - built, 1),
             **{key: round(timers.get(timer, 0.0), 1) for key, timer in TIMERS.items()},
+            "graphs": counters["stats"]["unique_graphs"],  # more than one: the plan broke dynamo's graph
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
