@@ -12,8 +12,9 @@ Runs (``--runs``), in this order: ``alone``, plan 0 with empty caches; ``after``
 at once with empty caches. Each process builds the zoo's model
 (``zoo.setup``: its batch), applies the plan and runs a process ahead's iterations (warm-up and one
 more), then writes one JSON line: the seconds to build, the first iteration's seconds, and from
-dynamo's timers where they went (``TIMERS``), and how many graphs dynamo compiled. The driver adds each run's wall seconds.
-``benchmarks/results.py`` makes RESULTS.md's table from the rows, in the order they ran.
+dynamo's timers where they went (``TIMERS``), and how many graphs dynamo compiled. The driver adds
+each run's wall seconds. ``benchmarks/results.py`` makes RESULTS.md's table from the rows, in the
+order they ran.
 """
 
 from __future__ import annotations
