@@ -488,9 +488,8 @@ def make() -> str:
              "also checks, in CI, that this file is what the rows make). Every table names its runs: GPU, torch "
              "version, date. Memory figures are stable between runs; a time ratio is within one run, measured in "
              "turns.", ""]
-    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section, compile_plans_section,
-                    per_round_section,
-                    lm_section, multigpu_section):
+    for section in (fits_section, bill_section, frontier_section, zoo_section, compile_time_section,
+                    compile_plans_section, per_round_section, lm_section, multigpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
 
