@@ -169,6 +169,122 @@ def test_trains_to_the_same_losses_gradients_and_statistics_as_eager(before):
             torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
 
 
+class Shifting(nn.Module):
+    """A forward with Python side effects: it changes a list its module holds and sets an
+    attribute; with BatchNorm inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.shift = nn.Linear(8, 8), nn.BatchNorm1d(8), [3, 2]
+
+    def forward(self, x):
+        self.shift[0] = 0
+        self.seen = x.shape[0]
+        return torch.relu(self.bn(self.lin(x))) * self.shift[1] + self.shift[0]
+
+
+class Breaking(nn.Module):
+    """A region dynamo cannot trace (a graph break inside it), with BatchNorm; ``counted``: a
+    buffer its forward changes and reads as well."""
+
+    def __init__(self, counted: bool = False) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        if counted:
+            self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        torch._dynamo.graph_break()
+        if hasattr(self, "seen"):
+            self.seen += 1
+            h = h * self.seen
+        return torch.relu(h)
+
+
+def _headed(block):
+    return lambda: nn.Sequential(block(), nn.Linear(8, 1))
+
+
+def _trained(make, compile=False, plan="", steps=2):
+    torch.manual_seed(0)
+    model = make().double()
+    if plan:
+        sw.apply(model, plan)
+    run = torch.compile(model, backend=EAGER) if compile else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = run(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return model, [torch.stack(losses), *model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
+
+
+def test_a_region_with_python_side_effects_compiles_as_one_graph_and_trains_as_the_model():
+    # Without the step's dynamo setting the checkpoint region breaks the graph, torch's checkpoint
+    # runs it eagerly, and its recompute counts BatchNorm a second time.
+    eager, expected = _trained(_headed(Shifting))
+    counters.clear()
+    model, got = _trained(_headed(Shifting), plan="checkpoint('0'), compile(backend='aot_eager')")
+    assert counters["aot_autograd"]["ok"] >= 1 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+    for t, u in zip(expected, got):
+        torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+    assert (model[0].shift, model[0].seen) == (eager[0].shift, eager[0].seen) == ([0, 2], 16)
+    assert model[0].bn.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("how", ["step", "by hand"])
+def test_a_region_the_compiler_cannot_trace_trains_as_the_model(how, counted):
+    # torch's checkpoint runs such a region eagerly; without the eager safeguards its recompute
+    # would count BatchNorm twice and start from the count the forward left.
+    block = _headed(lambda: Breaking(counted))
+    _, expected = _trained(block)
+    torch._dynamo.reset()  # so that the graph break is counted again
+    counters.clear()
+    plan = "checkpoint('0'), compile(backend='aot_eager')" if how == "step" else "checkpoint('0')"
+    model, got = _trained(block, compile=how == "by hand", plan=plan)
+    assert counters["graph_break"]  # dynamo ran, and broke the graph in the region
+    for t, u in zip(expected, got):
+        torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+    assert model[0].bn.num_batches_tracked.item() == 2
+
+
+class Scaling(nn.Linear):
+    """Reads a scale from the dict it is given, then writes one there: a Python side effect that
+    dynamo cannot trace inside a checkpoint region under torch.compile by hand."""
+
+    def forward(self, x, state):
+        h = super().forward(x) * state.get("scale", 1.0)
+        state["scale"] = 3.0
+        return torch.tanh(h)
+
+
+class Writing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.out = Scaling(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.block(x, {}))
+
+
+@pytest.mark.parametrize("how", ["step", "by hand"])
+def test_a_region_writing_into_its_input_dict_recomputes_from_what_it_was_given(how):
+    _, expected = _trained(Writing)
+    torch._dynamo.reset()
+    plan = "checkpoint('block'), compile(backend='aot_eager')" if how == "step" else "checkpoint('block')"
+    _, got = _trained(Writing, compile=how == "by hand", plan=plan)
+    for t, u in zip(expected, got):
+        torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("text", [
     "compile()",
     "compile(mode='max-autotune', memory_budget=0.5)",

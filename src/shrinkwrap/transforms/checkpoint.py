@@ -28,9 +28,11 @@ fixes what the plain recipe gets wrong:
   ``TrainingArguments(gradient_checkpointing=True)``): it is checkpointed once, by Hugging Face;
 - under ``torch.compile`` the region is traced into the graph with no break, and the compiler
   recomputes it inside its backward (any AOTAutograd backend: inductor, aot_eager; the debugging
-  backend ``"eager"`` would replay BatchNorm updates). A region that writes into a container it
-  was given cannot be traced: dynamo says so under ``fullgraph=True``, and runs it eagerly
-  (exactly, as above) otherwise.
+  backend ``"eager"`` would replay BatchNorm updates). A region dynamo cannot trace (a graph
+  break inside it; under ``torch.compile`` by hand also a Python side effect, such as a write
+  into a container it was given) makes dynamo raise under ``fullgraph=True``; otherwise torch's
+  checkpoint runs it eagerly, and it gets the safeguards above in its forward and its recompute
+  (see ``_Untraced``). shrinkwrap's ``compile()`` step traces regions with Python side effects.
 
 Dropout masks match between forward and recompute (the RNG state is preserved), and inputs that
 do not require grad still give gradients to the region's parameters (non-reentrant checkpoint).
@@ -457,25 +459,51 @@ class _KeptMutated:
                 f"Set inplace=False on them, or leave that operator out of save=.") from exc
 
 
+class _Guarded:
+    """A region's forward and recompute with the eager safeguards: the buffers of the region
+    (``named``: its modules by name) that the recompute would change again put back after it, and
+    those its forward reads started where the forward started (see :class:`_Buffers`); the
+    containers among the inputs copied for it (``run``, a :class:`_Run`), and an input changed in
+    place raised after the forward (:meth:`done`), naming the region (``what``: "module
+    'layer1'")."""
+
+    def __init__(self, fn: Callable[..., Any], named: list[tuple[str, nn.Module]], buffers: _Buffers, what: str,
+                 clone: bool, args: tuple, kwargs: dict) -> None:
+        self.inputs = list(tensors((args, kwargs)))
+        self.versions = [t._version for t in self.inputs]
+        self.modules = [m for _, m in named]
+        self.what = what
+        self.after = buffers.watch(named)
+        self.found = _AsInForward(self.modules, buffers)
+        self.start: dict = {}  # filled after the forward: the recompute's context is made before it
+        self.run = _Run(fn, clone, args, kwargs)
+
+    def recomputing(self) -> _Both:
+        """The recompute's context: the modules as the forward found them first (the buffers
+        copied next are theirs), then their buffers."""
+        return _Both(self.found, _RestoreBuffers(self.modules, self.start))
+
+    def done(self) -> None:
+        """After the forward."""
+        if any(t._version != v for t, v in zip(self.inputs, self.versions)):
+            raise RuntimeError(
+                f"shrinkwrap: checkpointed {self.what} modified its input in place; "
+                "its recompute in backward would start from the modified value. Checkpoint a region "
+                "that starts after the in-place operation, or pass clone_inputs=True."
+            )
+        self.start.update(self.after(self.what))
+        self.found.after()
+
+
 def _checkpointed(fn: Callable[..., Any], named: list[tuple[str, nn.Module]], buffers: _Buffers, what: str,
                   clone: bool, args: tuple, kwargs: dict, keep: dict | None = None) -> Any:
-    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, with the eager safeguards: the
-    buffers of the region (``named``: its modules by name) that the recompute would change again
-    put back after it, and those its forward reads started where the forward started (see
-    :class:`_Buffers`); the containers among the inputs copied for it, and an input changed in
-    place raised after the forward, naming the region (``what``: "module 'layer1'"); autocast's
-    weight cache off inside it (:func:`_uncached_autocast`); the outputs ``keep`` names kept
-    (:func:`selective`)."""
-    inputs = list(tensors((args, kwargs)))
-    versions = [t._version for t in inputs]
-    modules = [m for _, m in named]
-    after = buffers.watch(named)
-    found = _AsInForward(modules, buffers)
-    start: dict = {}  # filled after the forward: the recompute's context is made before it
+    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, with the eager safeguards
+    (:class:`_Guarded`), autocast's weight cache off inside it (:func:`_uncached_autocast`), and
+    the outputs ``keep`` names kept (:func:`selective`)."""
+    guarded = _Guarded(fn, named, buffers, what, clone, args, kwargs)
 
     def contexts() -> tuple:
-        # The modules as the forward found them first: the buffers copied next are theirs.
-        restore = _Both(found, _RestoreBuffers(modules, start))
+        restore = guarded.recomputing()
         if not keep:
             return contextlib.nullcontext(), restore
         forward, recompute = keep["context_fn"]()
@@ -484,27 +512,51 @@ def _checkpointed(fn: Callable[..., Any], named: list[tuple[str, nn.Module]], bu
         return forward, _Both(_KeptMutated(named), _Both(restore, recompute))
 
     with _uncached_autocast():
-        out = _torch_checkpoint(
-            _Run(fn, clone, args, kwargs), kwargs, *args, use_reentrant=False, context_fn=contexts,
-        )
-    if any(t._version != v for t, v in zip(inputs, versions)):
-        raise RuntimeError(
-            f"shrinkwrap: checkpointed {what} modified its input in place; "
-            "its recompute in backward would start from the modified value. Checkpoint a region "
-            "that starts after the in-place operation, or pass clone_inputs=True."
-        )
-    start.update(after(what))
-    found.after()
+        out = _torch_checkpoint(guarded.run, kwargs, *args, use_reentrant=False, context_fn=contexts)
+    guarded.done()
     return out
 
 
-def _traced(*args: Any, **kwargs: Any) -> Any:
-    """torch's checkpoint as torch.compile traces a region, counted in ``TRACED_REGIONS``."""
+def _traced(untraced: "_Untraced", fn: Callable[..., Any], kwargs: dict, *args: Any, **keep: Any) -> Any:
+    """torch's checkpoint as torch.compile traces a region, counted in ``TRACED_REGIONS``;
+    ``untraced`` runs it where the compiler could not trace it."""
     TRACED_REGIONS[0] += 1
     try:
-        return _torch_checkpoint(*args, use_reentrant=False, **kwargs)
+        return _torch_checkpoint(_in_graph, untraced, fn, kwargs, *args, use_reentrant=False, **keep)
     finally:
         TRACED_REGIONS[0] -= 1
+
+
+def _in_graph(untraced: "_Untraced", fn: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
+    """The region traced into the compiled graph; or, called outside the compiler, run eagerly."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    return untraced(fn, kwargs, args)
+
+
+class _Untraced:
+    """One forward of a region that torch.compile meant to trace, where it could not: dynamo broke
+    the graph inside it (an unsupported call, a ``.item()``), so torch's checkpoint runs the region
+    eagerly and recomputes it eagerly in backward, outside the compiled graph. Its first call (the
+    forward) and the later ones (each recompute) get the eager safeguards (:class:`_Guarded`), as
+    a region outside the compiler does: without them the recompute would count BatchNorm a second
+    time and start from the buffers, attributes and containers the forward left. Made at every
+    traced forward, where it costs nothing once compiled; used only where the trace broke.
+    (Python side effects, which break the trace under ``torch.compile`` by hand, are traced
+    under shrinkwrap's ``compile()`` step: see ``transforms.compile._replaying_once``.)"""
+
+    def __init__(self, named: list[tuple[str, nn.Module]], buffers: _Buffers, what: str, clone: bool) -> None:
+        self.named, self.buffers, self.what, self.clone = named, buffers, what, clone
+        self.guarded: _Guarded | None = None
+
+    def __call__(self, fn: Callable[..., Any], kwargs: dict, args: tuple) -> Any:
+        if self.guarded is None:
+            self.guarded = _Guarded(fn, self.named, self.buffers, self.what, self.clone, args, kwargs)
+            out = self.guarded.run(kwargs, *args)
+            self.guarded.done()
+            return out
+        with self.guarded.recomputing():
+            return self.guarded.run(kwargs, *args)
 
 
 def _refuse_functorch(what: str) -> None:
@@ -552,8 +604,11 @@ class CheckpointModule(TransparentWrapper):
             # Traced into the graph: the compiler's partitioner recomputes the region inside its
             # backward kernels. It never replays a mutation, so BatchNorm statistics are updated
             # once, and its graphs are functional, so an in-place input change cannot leak into
-            # the recompute; the eager safeguards below are neither needed nor traceable.
-            return _traced(_call, inner, kwargs, *args, **self._sw_keep)
+            # the recompute; the eager safeguards below are neither needed nor traceable (where
+            # dynamo cannot trace the region, _Untraced gives them to it).
+            untraced = _Untraced([(self._sw_name, inner)], self._sw_buffers, f"module {self._sw_name!r}",
+                                 self._sw_clone_inputs)
+            return _traced(untraced, inner, kwargs, *args, **self._sw_keep)
         _refuse_functorch(f"module {self._sw_name!r}")
         return _checkpointed(inner, [(self._sw_name, inner)], self._sw_buffers, f"module {self._sw_name!r}",
                              self._sw_clone_inputs, args, kwargs, self._sw_keep)
@@ -604,7 +659,9 @@ class _Chain:
             if torch.compiler.is_compiling():
                 # As CheckpointModule's compiled form: the region traced into the graph, recomputed
                 # by the compiler's partitioner. The calls below are checked as the graph is traced.
-                self.outs = _traced(_call, self.run, kwargs, *args, **self.keep)
+                untraced = _Untraced(list(zip(self.names, self.members)), self.buffers, f"chain {self.text}",
+                                     self.clone)
+                self.outs = _traced(untraced, self.run, kwargs, *args, **self.keep)
             elif self.verified:
                 _refuse_functorch(f"chain {self.text}")
                 self.outs = _checkpointed(self.run, list(zip(self.names, self.members)), self.buffers,

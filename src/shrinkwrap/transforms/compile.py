@@ -17,6 +17,11 @@ recompiles with every other compiled through ``nn.Module._call_impl``, as under
 runs eagerly, with a warning in torch's log (``measure`` raises where that happens as it
 measures).
 
+Checkpoint regions whose forward has a Python side effect (it sets an attribute, or changes a
+list or dict) are traced into the graph, where under ``torch.compile`` by hand dynamo breaks the
+graph at them (see ``_replaying_once``): the side effect happens once a step, as in the model
+without checkpoint.
+
 ``memory_budget`` is the activation memory budget of the min-cut partitioner
 (``torch._functorch.config.activation_memory_budget``: 1.0 saves what the default strategy saves,
 lower values recompute more in backward) for this model only. The partitioner reads that global
@@ -107,6 +112,31 @@ def _entered(call: Any) -> Any:
 
 
 _ENTERED = itertools.count()
+_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"  # torch._dynamo.config's, where torch has it
+
+
+def _replaying_once(compiled: Any) -> Any:
+    """``compiled`` called with dynamo tracing checkpoint regions whose forward has a Python side
+    effect (a module setting an attribute, or changing a list it holds). Without it dynamo cannot
+    trace such a region: it breaks the graph there, and torch's checkpoint runs the region
+    eagerly, outside the compiled graphs, and recomputes it eagerly in backward (see
+    ``checkpoint._Untraced``). Traced, the side effect happens once, in the forward, and the
+    compiled backward recomputes the region's tensors without it: once a step, as in the model
+    without checkpoint. The setting is read as dynamo traces, which happens inside the call;
+    setting it and putting it back took 6 us a call on a CPU core of a CI machine."""
+    import torch._dynamo.config as config
+
+    if not hasattr(config, _SIDE_EFFECTS):
+        return compiled
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = getattr(config, _SIDE_EFFECTS)
+        setattr(config, _SIDE_EFFECTS, True)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            setattr(config, _SIDE_EFFECTS, before)
+    return call
 
 
 class CompiledCall:
@@ -128,7 +158,7 @@ class CompiledCall:
         call = self.model._call_impl
         if self.name or _torchs_own(self.model):
             call = _entered(call)
-        self.call = torch.compile(call, **self.step.compile_kwargs())
+        self.call = _replaying_once(torch.compile(call, **self.step.compile_kwargs()))
         self.model.__dict__["_compiled_call_impl"] = self.call
 
     def undo(self, model: nn.Module) -> str | None:
