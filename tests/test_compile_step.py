@@ -1,7 +1,9 @@
 """The compile(...) plan step: torch.compile in place, last in a plan, memory budget per model."""
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -239,21 +241,41 @@ def test_a_region_with_python_side_effects_compiles_as_one_graph_and_trains_as_t
     assert model[0].bn.num_batches_tracked.item() == 2
 
 
+@pytest.mark.parametrize("save", ["", ", save=('matmul',)"])
 @pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("how", ["step", "by hand"])
-def test_a_region_the_compiler_cannot_trace_trains_as_the_model(how, counted):
+def test_a_region_the_compiler_cannot_trace_trains_as_the_model(how, counted, save):
     # torch's checkpoint runs such a region eagerly; without the eager safeguards its recompute
-    # would count BatchNorm twice and start from the count the forward left.
+    # would count BatchNorm twice and start from the count the forward left (with save=, the
+    # safeguards' copies run outside the selective mode, which would look for them among the
+    # forward's kept outputs).
     block = _headed(lambda: Breaking(counted))
     _, expected = _trained(block)
     torch._dynamo.reset()  # so that the graph break is counted again
     counters.clear()
-    plan = "checkpoint('0'), compile(backend='aot_eager')" if how == "step" else "checkpoint('0')"
+    plan = f"checkpoint('0'{save}), compile(backend='aot_eager')" if how == "step" else f"checkpoint('0'{save})"
     model, got = _trained(block, compile=how == "by hand", plan=plan)
     assert counters["graph_break"]  # dynamo ran, and broke the graph in the region
     for t, u in zip(expected, got):
         torch.testing.assert_close(u, t, rtol=0, atol=1e-12)
     assert model[0].bn.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("how", ["eager", "compiled, not traced"])
+def test_a_region_keeps_no_reference_to_its_input_to_the_backward(how):
+    # Saved-tensor hooks may move what a region saves (offload does); a reference held beside
+    # them would keep the tensor where it was.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Breaking(), nn.Linear(8, 1)).double()
+    sw.apply(model, "checkpoint('1')" + (", compile(backend='aot_eager')" if how != "eager" else ""))
+    torch._dynamo.reset()
+    inputs = []
+    model[0].register_forward_hook(lambda m, args, out: inputs.append(weakref.ref(out)))
+    with torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t):
+        loss = model(torch.randn(16, 8, dtype=torch.float64)).sum()
+    gc.collect()
+    assert inputs and inputs[0]() is None
+    loss.backward()
 
 
 class Scaling(nn.Linear):

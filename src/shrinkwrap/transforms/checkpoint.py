@@ -101,6 +101,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .. import _rewrite
@@ -491,6 +492,7 @@ class _Guarded:
                 "its recompute in backward would start from the modified value. Checkpoint a region "
                 "that starts after the in-place operation, or pass clone_inputs=True."
             )
+        self.inputs = self.versions = []  # held to the backward, they would outlive what saved-tensor hooks moved
         self.start.update(self.after(self.what))
         self.found.after()
 
@@ -540,8 +542,10 @@ class _Untraced:
     eagerly and recomputes it eagerly in backward, outside the compiled graph. Its first call (the
     forward) and the later ones (each recompute) get the eager safeguards (:class:`_Guarded`), as
     a region outside the compiler does: without them the recompute would count BatchNorm a second
-    time and start from the buffers, attributes and containers the forward left. Made at every
-    traced forward, where it costs nothing once compiled; used only where the trace broke.
+    time and start from the buffers, attributes and containers the forward left. (Autocast's
+    weight cache stays on there, and a kept output changed in place gets torch's error, not the
+    one naming the region's in-place modules.) Made at every traced forward, where it costs
+    nothing once compiled; used only where the trace broke.
     (Python side effects, which break the trace under ``torch.compile`` by hand, are traced
     under shrinkwrap's ``compile()`` step: see ``transforms.compile._replaying_once``.)"""
 
@@ -550,13 +554,23 @@ class _Untraced:
         self.guarded: _Guarded | None = None
 
     def __call__(self, fn: Callable[..., Any], kwargs: dict, args: tuple) -> Any:
+        # Inside torch's checkpoint: the safeguards' own copies run outside its selective mode (a
+        # region with save=), which would look for them among the forward's kept outputs.
         if self.guarded is None:
-            self.guarded = _Guarded(fn, self.named, self.buffers, self.what, self.clone, args, kwargs)
+            with _disable_current_modes():
+                self.guarded = _Guarded(fn, self.named, self.buffers, self.what, self.clone, args, kwargs)
             out = self.guarded.run(kwargs, *args)
-            self.guarded.done()
+            with _disable_current_modes():
+                self.guarded.done()
             return out
-        with self.guarded.recomputing():
+        restore = self.guarded.recomputing()
+        with _disable_current_modes():
+            restore.__enter__()
+        try:
             return self.guarded.run(kwargs, *args)
+        finally:
+            with _disable_current_modes():
+                restore.__exit__(None, None, None)
 
 
 def _refuse_functorch(what: str) -> None:

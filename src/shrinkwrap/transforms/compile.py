@@ -122,8 +122,11 @@ def _replaying_once(compiled: Any) -> Any:
     eagerly, outside the compiled graphs, and recomputes it eagerly in backward (see
     ``checkpoint._Untraced``). Traced, the side effect happens once, in the forward, and the
     compiled backward recomputes the region's tensors without it: once a step, as in the model
-    without checkpoint. The setting is read as dynamo traces, which happens inside the call;
-    setting it and putting it back took 6 us a call on a CPU core of a CI machine."""
+    without checkpoint (a region that reads a Python value it changes is then compiled again at
+    every step, as that model would be). The setting is read as dynamo traces, which happens
+    inside the call, and is none of dynamo's guards (a model sharing code compiled for another
+    runs that code); setting it and putting it back took 6 us a call on a CPU core of a CI
+    machine."""
     import torch._dynamo.config as config
 
     if not hasattr(config, _SIDE_EFFECTS):
