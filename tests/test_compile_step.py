@@ -143,21 +143,27 @@ def test_a_second_model_of_one_plan_runs_the_code_compiled_for_the_first():
     assert graphs[0] > 0 and graphs[1] == graphs[0]
 
 
+def _steps(model, run, x, loss_fn, steps=2):
+    """``steps`` SGD steps of ``run`` (``model``, or a compiled form of it) on ``x``: the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(run(x))
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
 def _train(plan):
     model = net64()  # float64, BatchNorm, dropout, in-place ReLU, kwargs
     if plan:
         sw.apply(model, plan)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), [p.grad for p in model.parameters()], [b for b in model.buffers()]
+    losses = _steps(model, model, x, lambda out: F.cross_entropy(out, y))
+    return losses, [p.grad for p in model.parameters()], [b for b in model.buffers()]
 
 
 @pytest.mark.parametrize("before", ["", "checkpoint('layer[12]'), bn_act()"])
@@ -208,23 +214,15 @@ def _headed(block):
     return lambda: nn.Sequential(block(), nn.Linear(8, 1))
 
 
-def _trained(make, compile=False, plan="", steps=2):
+def _trained(make, compile=False, plan=""):
     torch.manual_seed(0)
     model = make().double()
     if plan:
         sw.apply(model, plan)
     run = torch.compile(model, backend=EAGER) if compile else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
-    x = torch.randn(16, 8, dtype=torch.float64)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = run(x).square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return model, [torch.stack(losses), *model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
+    losses = _steps(model, run, torch.randn(16, 8, dtype=torch.float64), lambda out: out.square().mean())
+    return model, [losses, *model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
 
 
 def test_a_region_with_python_side_effects_compiles_as_one_graph_and_trains_as_the_model():

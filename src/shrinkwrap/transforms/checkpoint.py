@@ -271,12 +271,6 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _call(module: nn.Module, kwargs: dict, *args: Any) -> Any:
-    # kwargs travel as one positional dict so that a module kwarg named like one of
-    # torch.utils.checkpoint's own options (debug, preserve_rng_state, ...) cannot collide.
-    return module(*args, **kwargs)
-
-
 class _Run:
     """What torch's checkpoint runs: the region on the caller's inputs in the forward, and in the
     recompute on a copy of the containers among them as they were before the forward, so that a
@@ -294,13 +288,15 @@ class _Run:
         self.calls = 0
 
     def __call__(self, kwargs: dict, *args: Any) -> Any:
+        # kwargs travel as one positional dict (here and in _in_graph) so that a module kwarg named
+        # like one of torch.utils.checkpoint's own options (debug, preserve_rng_state, ...) cannot collide.
         if self.calls:
             before, kwargs = tree_map(_same, self.before)
             args = tuple(a if isinstance(a, torch.Tensor) else b for a, b in zip(args, before))
         self.calls += 1
         if self.clone:
             args, kwargs = tree_map(torch.clone, (args, kwargs))
-        return _call(self.module, kwargs, *args)
+        return self.module(*args, **kwargs)
 
 
 _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")
