@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.measure import ModuleLog, SavedTensors
-from shrinkwrap.measure import step
+from shrinkwrap.measure import first_use, step
 from shrinkwrap.measure.step import default_loss
 
 FAST = dict(iterations=1, warmup=1, device="cpu")
@@ -513,14 +513,14 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
     assert report.rows[1].matched == ("0",)  # what the plan matched came back from its process
 
 
-def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_comes_back():
+def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_starts():
     from shrinkwrap.processes import FreshProcesses
 
     for ahead in (False, True):
         with FreshProcesses(mlp, ahead=ahead) as fresh:
             pids = [fresh.run(os.getpid) for _ in range(2)]
             waiting = fresh._next
-            assert (waiting is not None) == ahead  # started as the second row came back, or not at all
+            assert (waiting is not None) == ahead  # started as the second row started, or not at all
         assert len(set(pids)) == 2 and os.getpid() not in pids
     # Stopped at once where asked (before the GPU's free memory is read), and started again by a row.
     with FreshProcesses(mlp, ahead=True) as fresh:
@@ -1028,3 +1028,120 @@ def test_an_optimizer_without_a_state_attribute_has_its_state_counted_from_its_s
     wrapped = sw.measure(make(), x, optimizer=PerParameter, iterations=1, warmup=1)
     assert plain.optimizer_state >= 2 * plain.parameters > 0
     assert wrapped.optimizer_state == plain.optimizer_state
+
+
+def _depthwise() -> nn.Module:
+    """Two blocks alike (their convolutions are the same calls) and a stem."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 8, 3, padding=1, groups=8))
+
+
+needs_recording = pytest.mark.skipif(not first_use.SUPPORTED,
+                                     reason="this torch's dispatch modes cannot leave torch.compile alone")
+
+
+@needs_recording
+def test_first_use_records_each_library_call_once_with_the_metadata_that_ran():
+    import collections
+
+    from shrinkwrap.measure.first_use import PLANNED, _Tensor, recorded
+
+    model = _depthwise().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 16, 16).to(memory_format=torch.channels_last)[:, 1:]  # a view, at an offset
+    with recorded() as calls, torch.autocast("cpu", torch.bfloat16):
+        model(x).float().sum().backward()
+    names = collections.Counter(c[1] for c in calls.calls)
+    # The two depthwise convolutions are one call forward; backward, the last one's output
+    # gradient comes in the default layout, and the stem computes no input gradient: three calls.
+    # Nothing else: relu, the loss, the adds are not planned.
+    assert names == {"convolution": 2, "convolution_backward": 3, "native_batch_norm": 1,
+                     "native_batch_norm_backward": 1} and set(names) <= PLANNED
+    assert len(calls) == 7 and not any(c[0] for c in calls.calls)  # on a CPU, backward runs on this thread
+    stem = next(c for c in calls.calls if c[1] == "convolution")
+    first = stem[3][0]
+    # Autocast's dtype, and the layout: the bf16 copy of the view is a tensor of its own.
+    assert first == _Tensor((2, 3, 16, 16), x.contiguous(memory_format=torch.channels_last).stride(), 0,
+                            torch.bfloat16, "cpu")
+    with recorded() as calls:
+        model(x).sum().backward()
+    stem = next(c for c in calls.calls if c[1] == "convolution")
+    assert stem[3][0] == _Tensor((2, 3, 16, 16), x.stride(), 1, torch.float32, "cpu")  # in float32, the view
+
+
+@needs_recording
+def test_replay_makes_the_calls_on_new_tensors_with_memory_to_spare_in_the_thread_they_were_made_in(monkeypatch):
+    import pickle
+
+    model, x = _depthwise(), torch.randn(2, 4, 16, 16)[:, 1:]
+    recorder = first_use._Recorder({})
+    recorder.thread = None  # as if recording began on another thread: every call is backward's
+    with recorder:
+        model(x).sum().backward()
+    calls = pickle.loads(pickle.dumps(first_use.Calls(recorder.calls)))  # it travels to another process
+    assert len(calls) == 7 and all(c[0] for c in calls.calls)
+    seen = []
+    real = first_use._made
+
+    def made(spec):
+        out = real(spec)
+        if isinstance(spec, first_use._Tensor):
+            seen.append((torch._C._current_graph_task_id() >= 0, out.storage_offset(), out.dtype))
+        return out
+
+    monkeypatch.setattr(first_use, "_made", made)
+    assert first_use.replay(calls) == 7
+    assert all(backward for backward, _, _ in seen)  # made inside autograd's backward, as recorded
+    assert (True, x.storage_offset(), torch.float32) in seen  # the input view at its offset
+    sizes = sorted(first_use._bytes((c[3], c[4])) for c in calls.calls)
+    # A call runs where its arguments take at most a third of what its device has free beyond keep.
+    monkeypatch.setattr(first_use, "_free", lambda device: 3 * sizes[1] + 1000)
+    assert first_use.replay(calls, keep=1000) == 2
+    monkeypatch.undo()
+    calls.calls[(False, "not_an_operator", "default", (), ())] = None
+    assert first_use.replay(calls) == 7  # an operator this torch lacks is skipped
+    # Floating tensors are made as they come; others (a reserve, offsets) zero, so that no value
+    # out of range can fault the device.
+    index = real(first_use._Tensor((2, 3), (1, 2), 2, torch.int64, "cpu"))
+    assert index.stride() == (1, 2) and index.storage_offset() == 2 and not index.any()
+
+
+def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
+    import concurrent.futures
+
+    from shrinkwrap import processes
+    from shrinkwrap.measure.first_use import Calls
+
+    submitted, started = [], []
+
+    class Row(concurrent.futures.Future):
+        def result(self, timeout=None):
+            started.append(fresh._next is not None)  # the next row's process, started before this row is over
+            return super().result(timeout)
+
+    class Pool:
+        """A process pool that runs nothing and says what it was given, in order."""
+
+        def __init__(self, *args, **kwargs):
+            self._processes, self._executor_manager_thread = {}, None
+
+        def submit(self, fn, *args):
+            submitted.append((self, fn.__name__))
+            future = Row() if fn is os.getpid else concurrent.futures.Future()
+            future.set_result(None)
+            return future
+
+        def shutdown(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    calls = Calls()
+    with processes.FreshProcesses(mlp, ahead=True) as fresh:
+        fresh.start_next()
+        fresh.prime(calls, keep=1024)  # the process waiting now replays before its row
+        fresh.run(os.getpid)  # and the one started ahead as the row comes back, first thing
+        fresh.run(os.getpid)
+    pools = list(dict.fromkeys(p for p, _ in submitted))
+    assert [[fn for p, fn in submitted if p is pool] for pool in pools] == [
+        ["_ready", "replay", "getpid"], ["_ready", "replay", "getpid"], ["_ready", "replay"]]
+    assert started == [True, True]

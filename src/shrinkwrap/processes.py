@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ._tree import tree_map
+from .measure.first_use import Calls, replay
 from .measure.step import Options, _clean, _setup, resolve_device
 from .plan import Plan
 from .select import wrong
@@ -648,9 +649,11 @@ class FreshProcesses:
     next row's process now, so that its start (imports, those of the model's classes
     (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
     that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, the next is
-    started as each row comes back, for a caller that does other work between rows (autoplan: on
+    started as each row starts, for a caller that asks for rows one after another (autoplan: on
     an H200, a row's process took 3-5 s to import torch and 0.5-3 s to start CUDA before it built
-    the model). One started and never used is stopped by :meth:`close`.
+    the model), and :meth:`prime` has each one make the rows' library calls while it waits. Its
+    start overlaps a row in another process: that row's step time may read the start's load; its
+    memory is its own process's. One started and never used is stopped by :meth:`close`.
 
     Example::
 
@@ -666,6 +669,7 @@ class FreshProcesses:
         self.modules = tuple(modules)
         self.ahead = ahead
         self._next: concurrent.futures.ProcessPoolExecutor | None = None
+        self._primer: tuple[Calls, int] | None = None  # see prime
         # Stopped pools whose row is done (see _stop), which close() waits for.
         self._exiting: list[tuple] = []
 
@@ -677,6 +681,19 @@ class FreshProcesses:
             _main_last()  # a row's process keys its compiled graphs as this one does
             self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._next.submit(_ready, self.make, self.modules)
+            if self._primer is not None:
+                self._next.submit(replay, *self._primer)
+
+    def prime(self, calls: Calls, keep: int = 0) -> None:
+        """Have each process started ahead, from now on and the one waiting now, make ``calls``
+        (:func:`~shrinkwrap.measure.first_use.replay`, leaving ``keep`` bytes free) while it
+        waits for its row: cuDNN's plans for the layouts and types the rows will run are then made
+        before the row, not in its first iteration. What the row reads is unchanged (see the
+        module). A row asked for before the replay is over waits for it: the calls it makes
+        itself take about as long."""
+        self._primer = (calls, keep)
+        if self._next is not None:
+            self._next.submit(replay, calls, keep)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
@@ -685,18 +702,18 @@ class FreshProcesses:
             raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
         pool, self._next = self._next, None
         try:
-            result = pool.submit(fn, *args).result()
+            future = pool.submit(fn, *args)
+            if self.ahead:
+                try:  # as the row starts, not as it ends: a primed process needs the row's time to replay
+                    self.start_next()
+                except Exception:  # noqa: BLE001 - only a head start: the next run starts its own, or says why not
+                    pass
+            return future.result()
         finally:
             # Not waited for here: the process exits while this one goes on (on an H100 machine its
             # exit took 4.1 s after a resnet152 row), and close() waits for it. Its CUDA context is
             # not this process's allocator's, so no reading here counts it.
             self._exiting.append(_stop(pool))
-        if self.ahead:
-            try:
-                self.start_next()
-            except Exception:  # noqa: BLE001 - only a head start: the next run starts its own, or says why not
-                pass
-        return result
 
     def stop_next(self) -> None:
         """Stop the process started ahead, if any, at once: it has measured nothing. Before work

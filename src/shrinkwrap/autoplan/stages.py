@@ -15,11 +15,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ..compare import Progress, _as_row, measure_plans
+from ..compare import Progress, _as_row, _warm_process, measure_plans
+from ..measure import first_use
 from ..measure.ratios import ratio_interval, timed_against, within_slowdown
 from ..measure.step import Options, forward_times, resolve_device, time_interleaved
 from ..plan import Plan
-from ..processes import FreshProcesses, _build, _Copies, _unsendable, compile_ahead
+from ..processes import PROCESS_MARGIN, FreshProcesses, _build, _Copies, _unsendable, compile_ahead
 from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
@@ -38,8 +39,9 @@ class _Rows:
     Rows in this process are built from copies of one model the factory made (on an H100,
     building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
     the per-module log; isolated rows run in fresh processes, each started ahead: the chosen plan's
-    while this process measures the candidates, each next one as the row before it comes back (see
-    :class:`FreshProcesses`)."""
+    while this process measures the candidates, each next one as the row before it starts, each
+    making the calls of cuDNN's first use before its row (see :class:`FreshProcesses` and
+    :meth:`prime`)."""
 
     def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
                  cache: dict, warmup: int | None = None) -> None:
@@ -122,6 +124,27 @@ class _Rows:
                                  per_round=2)
             except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
                 pass
+
+    def prime(self, plan: Plan) -> None:
+        """Record the library calls one iteration of ``plan`` makes here (cuDNN's, whose first use
+        at each shape, layout and type costs a process seconds: see
+        :mod:`~shrinkwrap.measure.first_use`), and have the fresh processes started ahead make them
+        before their rows (:meth:`FreshProcesses.prime`): the rows that verify a plan on top of
+        ``plan``. Their replay leaves free what two of the baseline's peaks and three processes'
+        margins take (a row here, and one in a fresh process beside it, may still grow to it):
+        it makes a call only where its device then has room for it. On CUDA only, where rows run
+        in fresh processes."""
+        base, device = self.cache.get(("", True)), resolve_device(self.options.device)
+        if device.type != "cuda" or self.unsendable or base is None or base.profile is None or not first_use.SUPPORTED:
+            return
+        keep = 3 * PROCESS_MARGIN + 2 * max(base.profile.peak or 0, base.profile.first_peak or 0)
+        if torch.cuda.get_device_properties(device).total_memory - (self.foreign or 0) <= keep:
+            return
+        self.measured_here = True
+        with first_use.recorded() as calls:
+            _warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
+        if calls:
+            self.fresh.prime(calls, keep)
 
     def _here(self, plan: Plan) -> Row:
         """``plan``'s row in this process, on a copy of the model, without the per-module log. On
@@ -391,6 +414,11 @@ class _Search:
                                                          self.isolate_candidates)))
         kept = [c for c in rest if id(c) in measured]
         top = [measured[id(c)] for c in kept]
+        # The plans verified in fresh processes are built on the base. Primed after the candidates'
+        # rows, whose own times the search reads: verified plans are timed in turns with the
+        # baseline, where what runs beside them falls on both.
+        if self.rows.cuda:
+            self.rows.prime(Plan(base_steps))
         return _effects(kept, top, base, self.metric), ([base] if base_steps else []) + top, mem, t, forward
 
     def measured_t(self, row: Row, upper: bool = False) -> float:
