@@ -86,9 +86,7 @@ def _made(x: Any) -> Any:
 
 
 def _bytes(spec: Any) -> int:
-    if isinstance(spec, _Tensor):
-        return spec.dtype.itemsize * _extent(spec)
-    return sum(map(_bytes, spec)) if isinstance(spec, tuple) else 0
+    return sum(t.dtype.itemsize * _extent(t) for t in _tensors(spec))
 
 
 class _Recorder(TorchDispatchMode):
@@ -202,6 +200,7 @@ def _free(device: str) -> float:
 
 
 def _tensors(spec: Any) -> Iterator[_Tensor]:
+    """The tensors' records in ``spec``, in order."""
     if isinstance(spec, _Tensor):
         yield spec
     elif isinstance(spec, (tuple, list)):
