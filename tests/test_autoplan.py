@@ -858,7 +858,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room, then, after),) = ahead
-    assert stopped == [0]  # before the free memory is read: its CUDA context is no room for a plan
+    assert stopped == [0]  # before the free memory is read: their CUDA contexts are no room for a plan
     # The plan measured there is a fresh process's row, with its timings in turns, and this
     # process measures the others itself (compiling them from the on-disk caches).
     (row,) = [r for r in out if str(r.plan) == texts[0]]
@@ -1154,6 +1154,9 @@ def _lettered(figures):
         def __call__(self, wanted, isolate):
             self.measured += [name[str(p)] for p in wanted]
             return [row(name[str(p)]) for p in wanted]
+
+        def prime(self, plan):  # no fresh process to prime
+            pass
 
     return Rows(), row, name
 
@@ -1898,6 +1901,53 @@ def test_a_compiled_answer_measured_fresh_is_still_a_compiled_row():
     search = Search(types.SimpleNamespace(cuda=True), None, metric, 1000.0, 8.0, None, 8.0, False, False, 1.0)
     fresh = search._fresh_answer(list(rows))
     assert [(str(r.plan), r.role) for r in fresh] == [("checkpoint('a')", "chosen"), ("checkpoint('a'), compile()", "compiled")]
+
+
+def test_the_fresh_processes_are_primed_with_the_base_and_each_eager_plan_verified_once(monkeypatch):
+    # Each plan verified adds calls the base never made (a checkpoint's recompute on autograd's
+    # thread, a layout measured on top of the base): recorded as its row here is read, or before
+    # its fresh row where it had none here, once; not a plan whose row failed, nor a compiled
+    # plan, whose iteration here would compile it; and not once the base made none.
+    import types
+
+    from shrinkwrap.autoplan import stages
+    from shrinkwrap.autoplan.stages import _Rows, _Search
+    from shrinkwrap.models import tiny_efficientnet
+    from shrinkwrap.report import Row
+
+    monkeypatch.setattr(stages, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=1 << 40))
+    recorded = []
+    warm = stages._warm_process
+    monkeypatch.setattr(stages, "_warm_process", lambda make, plan, *a: recorded.append(str(plan)) or warm(make, plan, *a))
+    compiled = sw.Plan.parse("channels_last(), compile()")
+
+    def primed(make, batch, base, plans):
+        rows = _Rows(make, make(), batch, sw.Options(device="cpu", warmup=1, iterations=1), False, {})
+        rows.cache["", True] = types.SimpleNamespace(profile=types.SimpleNamespace(peak=1, first_peak=1))
+        rows.cache[str(compiled), False] = Row(compiled, types.SimpleNamespace(peak=1))  # read, not compiled here
+        given = []
+        monkeypatch.setattr(rows.fresh, "prime", lambda calls, keep: given.append(len(calls)))
+        search = _Search(rows, rows.probe, lambda r: 1.0, 1.0, 10.0, None, None, False, False)
+        rows.prime(sw.Plan.parse(base))  # the base, as the candidates' rows end
+        for plan, isolate in plans:
+            search.measure_chosen(sw.Plan.parse(plan), isolate=isolate)
+        rows.close()
+        return given
+
+    recorded.clear()
+    plans = [("checkpoint('blocks.1'), channels_last()", False), (str(compiled), False),
+             ("checkpoint('blocks.1'), channels_last()", True), ("checkpoint('nothing'), channels_last()", False),
+             ("checkpoint('blocks.2'), channels_last()", True)]
+    given = primed(tiny_efficientnet, torch.randn(2, 3, 32, 32), "channels_last()", plans)
+    assert recorded == ["channels_last()", "checkpoint('blocks.1'), channels_last()",
+                        "checkpoint('blocks.2'), channels_last()"]
+    assert len(given) == 3 and all(given)  # what each recorded, handed on (FreshProcesses keeps what is new)
+    recorded.clear()
+    assert primed(mlp, BATCH, "swish()", [("checkpoint('1')", False)]) == [] and recorded == ["swish()"]  # none: once
+    recorded.clear()  # a recording that failed says nothing of the calls: the next plan is recorded
+    assert primed(mlp, BATCH, "checkpoint('none')", [("checkpoint('1')", False)]) == []
+    assert recorded == ["checkpoint('none')", "checkpoint('1')"]
 
 
 def _effnet() -> nn.Module:

@@ -501,10 +501,10 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
         report = measure_plans(mlp, [sw.Plan(), sw.Plan([sw.checkpoint("0")])], torch.randn(16, 32),
                                Options(iterations=1, warmup=1, device="cpu"), isolate=True, processes=fresh)
         fresh.start_next()
-        waiting = fresh._next
-        assert waiting is not None and len(waiting._processes) == 1  # started ahead, unused
+        (waiting,) = fresh._waiting
+        assert len(waiting._processes) == 1  # started ahead, unused
         process = next(iter(waiting._processes.values()))
-    assert fresh._next is None
+    assert not fresh._waiting
     process.join(timeout=30)
     assert not process.is_alive()
     # Processes that measured a row were not waited for after it, and are gone once closed.
@@ -514,23 +514,25 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
 
 
 def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_starts():
+    from shrinkwrap import processes
     from shrinkwrap.processes import FreshProcesses
 
     for ahead in (False, True):
         with FreshProcesses(mlp, ahead=ahead) as fresh:
             pids = [fresh.run(os.getpid) for _ in range(2)]
-            waiting = fresh._next
-            assert (waiting is not None) == ahead  # started as the second row started, or not at all
+            # Ahead, two wait: started as the rows started (the second row found its own ready).
+            assert len(fresh._waiting) == (processes.AHEAD if ahead else 0)
         assert len(set(pids)) == 2 and os.getpid() not in pids
     # Stopped at once where asked (before the GPU's free memory is read), and started again by a row.
     with FreshProcesses(mlp, ahead=True) as fresh:
         fresh.start_next()
-        (process,) = fresh._next._processes.values() if fresh._next._processes else (None,)
+        assert len(fresh._waiting) == processes.AHEAD
+        started = [p for pool in fresh._waiting for p in (pool._processes or {}).values()]
         fresh.stop_next()
-        assert fresh._next is None and (process is None or not process.is_alive())
+        assert not fresh._waiting and not any(p.is_alive() for p in started)
         fresh.run(os.getpid)
-        assert fresh._next is not None
-    assert fresh._next is None  # closed: none left waiting
+        assert len(fresh._waiting) == processes.AHEAD
+    assert not fresh._waiting  # closed: none left waiting
 
 
 def test_a_progress_bar_is_redrawn_in_place_on_a_terminal_and_a_line_a_row_in_a_log(capsys, monkeypatch):
@@ -1116,7 +1118,7 @@ def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
 
     class Row(concurrent.futures.Future):
         def result(self, timeout=None):
-            started.append(fresh._next is not None)  # the next row's process, started before this row is over
+            started.append(len(fresh._waiting))  # the next rows' processes, started before this row is over
             return super().result(timeout)
 
     class Pool:
@@ -1125,8 +1127,12 @@ def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
         def __init__(self, *args, **kwargs):
             self._processes, self._executor_manager_thread = {}, None
 
+        broken = False
+
         def submit(self, fn, *args):
-            submitted.append((self, fn.__name__))
+            if self.broken:
+                raise concurrent.futures.process.BrokenProcessPool("died waiting")
+            submitted.append((self, fn.__name__, sorted(k[1] for k in args[0].calls) if fn is processes.replay else None))
             future = Row() if fn is os.getpid else concurrent.futures.Future()
             future.set_result(None)
             return future
@@ -1134,14 +1140,31 @@ def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
         def shutdown(self, **kwargs):
             pass
 
+    def calls(*names):
+        return Calls({(False, name, "default", (), ()): None for name in names})
+
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
-    calls = Calls()
     with processes.FreshProcesses(mlp, ahead=True) as fresh:
         fresh.start_next()
-        fresh.prime(calls, keep=1024)  # the process waiting now replays before its row
-        fresh.run(os.getpid)  # and the one started ahead as the row comes back, first thing
+        fresh.prime(calls("a"), keep=1024)  # the processes waiting now replay before their rows
+        fresh.prime(calls("a", "b"), keep=1024)  # primed again: only the call they were not given
+        fresh.prime(calls("b"), keep=1024)  # nothing new: nothing to make
+        fresh.run(os.getpid)  # and those started ahead as each row starts, first thing: every call
         fresh.run(os.getpid)
-    pools = list(dict.fromkeys(p for p, _ in submitted))
-    assert [[fn for p, fn in submitted if p is pool] for pool in pools] == [
-        ["_ready", "replay", "getpid"], ["_ready", "replay", "getpid"], ["_ready", "replay"]]
-    assert started == [True, True]
+    pools = list(dict.fromkeys(p for p, _, _ in submitted))
+    assert [[(fn, given) for p, fn, given in submitted if p is pool] for pool in pools] == [
+        [("_ready", None), ("replay", ["a"]), ("replay", ["b"]), ("getpid", None)],
+        [("_ready", None), ("replay", ["a"]), ("replay", ["b"]), ("getpid", None)],
+        [("_ready", None), ("replay", ["a", "b"])], [("_ready", None), ("replay", ["a", "b"])]]
+    assert started == [processes.AHEAD, processes.AHEAD]
+    # With none waiting (the first row, or after stop_next), the row's own process starts first,
+    # the others as it starts; one that died waiting is dropped, not a failure.
+    submitted.clear()
+    with processes.FreshProcesses(mlp, ahead=True) as fresh:
+        fresh.run(os.getpid)
+        order = [fn for _, fn, _ in submitted]
+        assert order == ["_ready", "getpid"] + ["_ready"] * processes.AHEAD
+        dead, alive = fresh._waiting
+        dead.broken = True
+        fresh.prime(calls("c"), keep=0)
+        assert fresh._waiting == [alive] and submitted[-1] == (alive, "replay", ["c"])

@@ -123,17 +123,19 @@ def _as_row(plan: Plan, result: Profile | tuple[str, str], matched: tuple, skipp
     return Row(plan, result, matched, skipped, role=role)
 
 
-def _warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> None:
+def _warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> bool:
     """Run ``plan``'s first iterations once, untimed, in this process: the first row measured in a
     process otherwise pays what the process does once (thread pools, allocations, lazy imports):
-    on a CPU a plan that recomputes read faster than the baseline measured before it."""
+    on a CPU a plan that recomputes read faster than the baseline measured before it. Returns
+    whether they ran."""
     try:
         model = _build(make, torch.device(options.device), plan)
         step, _ = _setup(model, batch, options, torch.device(options.device))
         for _ in range(options.warmup):
             step()
+        return True
     except Exception:  # noqa: BLE001 - only a warm-up: the row itself says what fails
-        pass
+        return False
 
 
 def describe_batch(batch: Any) -> str:

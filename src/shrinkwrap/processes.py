@@ -644,16 +644,24 @@ def _end(ending: tuple, grace: float) -> None:
         thread.join()
 
 
+# Processes :class:`FreshProcesses` keeps started ahead for a caller that asks for rows one after
+# another: each holds a CUDA context (about 0.5 GiB) while it waits.
+AHEAD = 2
+
+
 class FreshProcesses:
     """Where isolated rows run: a new spawned process for each row. :meth:`start_next` starts the
     next row's process now, so that its start (imports, those of the model's classes
     (``modules``), and the CUDA context: see :func:`_ready`) overlaps what this process does until
-    that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, the next is
-    started as each row starts, for a caller that asks for rows one after another (autoplan: on
-    an H200, a row's process took 3-5 s to import torch and 0.5-3 s to start CUDA before it built
-    the model), and :meth:`prime` has each one make the rows' library calls while it waits. Its
-    start overlaps a row in another process: that row's step time may read the start's load; its
-    memory is its own process's. One started and never used is stopped by :meth:`close`.
+    that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, for a caller
+    that asks for rows one after another (autoplan: on an H200, a row's process took 3-5 s to
+    import torch and 0.5-3 s to start CUDA before it built the model), :attr:`depth` processes
+    wait (:data:`AHEAD`), each started as a row starts, and :meth:`prime` has each make the rows' library calls
+    while it waits: two rows asked back to back then both find a process that is ready (on an
+    H100, efficientnet_b0's second row, asked 2 s after the first, waited 20 s for its process's
+    start and calls). A start overlaps a row in another process: that row's step time may read
+    the start's load; its memory is its own process's. Those started and never used are stopped
+    by :meth:`close`.
 
     Example::
 
@@ -668,39 +676,50 @@ class FreshProcesses:
         self.make = None if isinstance(make, _Copies) else make
         self.modules = tuple(modules)
         self.ahead = ahead
-        self._next: concurrent.futures.ProcessPoolExecutor | None = None
+        # How many wait with ``ahead`` (a caller short of GPU memory keeps one: each holds a CUDA context).
+        self.depth = AHEAD if ahead else 1
+        self._waiting: list[concurrent.futures.ProcessPoolExecutor] = []  # started, in the order they will run rows
         self._primer: tuple[Calls, int] | None = None  # see prime
         # Stopped pools whose row is done (see _stop), which close() waits for.
         self._exiting: list[tuple] = []
 
-    def start_next(self) -> None:
-        """Start the next row's process, unless one is started, or none can be (see
-        :func:`_unsendable`: ``run`` then raises, and callers check before)."""
+    def start_next(self, count: int | None = None) -> None:
+        """Start the next row's process (with ``ahead``, the next :attr:`depth`; or ``count``),
+        unless started, or none can be (see :func:`_unsendable`: ``run`` then raises, and callers
+        check before)."""
         # Cheap to ask each time: a factory and module names (an instance's copies do not go ahead).
-        if self._next is None and not _unsendable((self.make, self.modules)):
+        while len(self._waiting) < (count or self.depth) and not _unsendable((self.make, self.modules)):
             _main_last()  # a row's process keys its compiled graphs as this one does
-            self._next = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-            self._next.submit(_ready, self.make, self.modules)
+            pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._waiting.append(pool)
+            pool.submit(_ready, self.make, self.modules)
             if self._primer is not None:
-                self._next.submit(replay, *self._primer)
+                pool.submit(replay, *self._primer)
 
     def prime(self, calls: Calls, keep: int = 0) -> None:
-        """Have each process started ahead, from now on and the one waiting now, make ``calls``
+        """Have each process started ahead, from now on and those waiting now, make ``calls``
         (:func:`~shrinkwrap.measure.first_use.replay`, leaving ``keep`` bytes free) while it
         waits for its row: cuDNN's plans for the layouts and types the rows will run are then made
         before the row, not in its first iteration. What the row reads is unchanged (see the
-        module). A row asked for before the replay is over waits for it: the calls it makes
-        itself take about as long."""
-        self._primer = (calls, keep)
-        if self._next is not None:
-            self._next.submit(replay, calls, keep)
+        module). Primed again, a process makes the calls it was not given yet. A row asked for
+        before the replay is over waits for it: the calls it makes itself take about as long."""
+        given = self._primer[0].calls if self._primer is not None else {}
+        new = Calls({key: None for key in calls.calls if key not in given})
+        self._primer = (Calls({**given, **new.calls}), keep)
+        for pool in list(self._waiting) if new else ():
+            try:
+                pool.submit(replay, new, keep)
+            except Exception:  # noqa: BLE001 - a process that died waiting (killed for memory): the next row starts its own
+                self._waiting.remove(pool)
+                _end(_stop(pool), grace=0)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
-        self.start_next()
-        if self._next is None:
+        if not self._waiting:
+            self.start_next(1)  # the rest as the row starts, not beside its start
+        if not self._waiting:
             raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
-        pool, self._next = self._next, None
+        pool = self._waiting.pop(0)
         try:
             future = pool.submit(fn, *args)
             if self.ahead:
@@ -716,12 +735,12 @@ class FreshProcesses:
             self._exiting.append(_stop(pool))
 
     def stop_next(self) -> None:
-        """Stop the process started ahead, if any, at once: it has measured nothing. Before work
-        that reads the GPU's free memory (its CUDA context would count as taken); the next
-        :meth:`run` starts one again."""
-        if self._next is not None:
-            _end(_stop(self._next), grace=0)  # it may still be importing
-            self._next = None
+        """Stop the processes started ahead, if any, at once: they have measured nothing. Before
+        work that reads the GPU's free memory (their CUDA contexts would count as taken); the next
+        :meth:`run` starts them again."""
+        for pool in self._waiting:
+            _end(_stop(pool), grace=0)  # it may still be importing
+        self._waiting.clear()
 
     def close(self) -> None:
         self.stop_next()

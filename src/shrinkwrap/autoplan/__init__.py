@@ -239,8 +239,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
                            "batch's peak under a plan on the CPU with sw.estimate")
     if base.profile is None:
         raise RuntimeError(f"shrinkwrap: the baseline itself could not be measured: {base.error}")
-    if cuda:  # the chosen plan's process, started while the candidates are measured (none without CUDA)
-        rows.fresh.start_next()
+    if cuda:  # the chosen plans' processes, started while the candidates are measured (none without CUDA)
+        rows.start_ahead()
     report = Report([base], str(dev), device_name(dev), torch.__version__,
                     model=getattr(make, "__name__", type(make).__name__), batch=describe_batch(batch),
                     isolation=_isolation(rows, isolate_candidates))

@@ -20,7 +20,7 @@ from ..measure import first_use
 from ..measure.ratios import ratio_interval, timed_against, within_slowdown
 from ..measure.step import Options, forward_times, resolve_device, time_interleaved
 from ..plan import Plan
-from ..processes import PROCESS_MARGIN, FreshProcesses, _build, _Copies, _unsendable, compile_ahead
+from ..processes import AHEAD, PROCESS_MARGIN, FreshProcesses, _build, _Copies, _unsendable, compile_ahead
 from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
@@ -38,10 +38,10 @@ class _Rows:
 
     Rows in this process are built from copies of one model the factory made (on an H100,
     building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
-    the per-module log; isolated rows run in fresh processes, each started ahead: the chosen plan's
-    while this process measures the candidates, each next one as the row before it starts, each
-    making the calls of cuDNN's first use before its row (see :class:`FreshProcesses` and
-    :meth:`prime`)."""
+    the per-module log; isolated rows run in fresh processes, started ahead: two (:data:`AHEAD`)
+    while this process measures the candidates, each next one as a row starts, each making the
+    calls of cuDNN's first use before its row (see :class:`FreshProcesses`, :meth:`start_ahead`
+    and :meth:`prime`)."""
 
     def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
                  cache: dict, warmup: int | None = None) -> None:
@@ -57,6 +57,8 @@ class _Rows:
         self.unsendable = _unsendable((make, batch, options)) if cuda else None
         self.measured_here = False  # whether a row has run in this process
         self.foreign: int | None = None  # what the process held on the GPU before the first row (see held)
+        self.primed: set[str] = set()  # the plans whose calls the fresh processes make (see prime)
+        self.primed_none = False  # the first plan recorded made no call to prime
 
     def options_for(self, plan: Plan) -> Options:
         """The options ``plan``'s rows are measured and timed with. Unless the caller set ``warmup``:
@@ -125,24 +127,52 @@ class _Rows:
             except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
                 pass
 
+    def _keep(self) -> int | None:
+        """What the fresh processes' replays leave free on the GPU: two of the baseline's peaks
+        and the margins of this process, a row's and those waiting (a row here, and one in a
+        fresh process beside it, may still grow to the peak); None off CUDA, before the baseline,
+        or where the device has no more than that beyond what this process held before its
+        first row."""
+        base, device = self.cache.get(("", True)), resolve_device(self.options.device)
+        if base is None or base.profile is None or device.type != "cuda":
+            return None
+        keep = (2 + AHEAD) * PROCESS_MARGIN + 2 * max(base.profile.peak or 0, base.profile.first_peak or 0)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return keep if total - (self.foreign or 0) > keep else None
+
+    def start_ahead(self) -> None:
+        """Start the fresh processes that wait for the verified plans' rows (:class:`FreshProcesses`):
+        :data:`AHEAD` where the GPU has the room :meth:`_keep` asks for, else one (each holds
+        a CUDA context)."""
+        self.fresh.depth = AHEAD if self._keep() is not None else 1
+        self.fresh.start_next()
+
     def prime(self, plan: Plan) -> None:
         """Record the library calls one iteration of ``plan`` makes here (cuDNN's, whose first use
         at each shape, layout and type costs a process seconds: see
-        :mod:`~shrinkwrap.measure.first_use`), and have the fresh processes started ahead make them
-        before their rows (:meth:`FreshProcesses.prime`): the rows that verify a plan on top of
-        ``plan``. Their replay leaves free what two of the baseline's peaks and three processes'
-        margins take (a row here, and one in a fresh process beside it, may still grow to it):
-        it makes a call only where its device then has room for it. On CUDA only, where rows run
-        in fresh processes."""
-        base, device = self.cache.get(("", True)), resolve_device(self.options.device)
-        if device.type != "cuda" or self.unsendable or base is None or base.profile is None or not first_use.SUPPORTED:
-            return
-        keep = 3 * PROCESS_MARGIN + 2 * max(base.profile.peak or 0, base.profile.first_peak or 0)
-        if torch.cuda.get_device_properties(device).total_memory - (self.foreign or 0) <= keep:
+        :mod:`~shrinkwrap.measure.first_use`), and have the fresh processes started ahead make
+        those they were not given yet before their rows (:meth:`FreshProcesses.prime`). The base
+        is recorded as the candidates' rows end, and each plan verified as its row here is read,
+        while the plan is timed in turns and before its row in a fresh process: a plan adds calls
+        the base never made (a checkpoint's recompute runs its convolutions on autograd's thread,
+        whose plans are its own; ``channels_last`` measured on top of a base without it). On an
+        H100, efficientnet_b0's verified plans took 0.18-0.24 s in their first iteration in a
+        process primed with their own calls, 0.72-0.74 s with the base's alone, and 11.5 s where
+        the base lacked their layout. A replay makes a call only where its device has room for
+        it beyond :meth:`_keep`. On CUDA only, where rows run in fresh processes; not for a
+        compiled plan (its iteration here would compile it), and not once
+        the first plan recorded made no such call."""
+        keep = self._keep()  # None off CUDA
+        if keep is None or self.unsendable or not first_use.SUPPORTED or str(plan) in self.primed or self.primed_none \
+                or any(s.name == "compile" for s in plan.steps):
             return
         self.measured_here = True
+        self.primed.add(str(plan))
         with first_use.recorded() as calls:
-            _warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
+            ran = _warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
+        # A model without convolutions or cuDNN attention makes none under any plan: one iteration
+        # a verified plan would be spent recording nothing.
+        self.primed_none = ran and not calls and len(self.primed) == 1
         if calls:
             self.fresh.prime(calls, keep)
 
@@ -328,7 +358,11 @@ class _Search:
         """A plan autoplan may answer with: measured in a fresh process (on CUDA, unless ``isolate``
         is false), and where it fits the budget, timed in turns with the baseline for the
         step-time limit, unless a row ``beside`` it already answers before it (:meth:`outdone`)."""
+        if isolate:  # a plan not verified here first (undominated's): the later processes at least
+            self.rows.prime(plan)
         row = self.rows([plan], isolate)[0]
+        if not isolate and row.profile is not None and (self.target is None or self.metric(row) <= self.target):
+            self.rows.prime(plan)  # its fresh row, where it fits, comes after its timing in turns
         if _timing_decides(self.metric(row) if row.profile is not None else None, self.target, self.within(beside)):
             self.time_against_baseline(plan)
         return row
@@ -698,7 +732,7 @@ class _Search:
         if progress:
             progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
         started = time.perf_counter()
-        self.rows.fresh.stop_next()  # its CUDA context is no room for a plan
+        self.rows.fresh.stop_next()  # their CUDA contexts are no room for a plan
         base = self.rows.cache.get(("", True))
         room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
         within = self.within(beside)
