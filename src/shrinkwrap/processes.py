@@ -645,7 +645,7 @@ def _end(ending: tuple, grace: float) -> None:
 
 
 # Processes :class:`FreshProcesses` keeps started ahead for a caller that asks for rows one after
-# another: each holds a CUDA context (about 0.5 GiB) while it waits.
+# another: each holds a CUDA context while it waits.
 AHEAD = 2
 
 
@@ -656,12 +656,12 @@ class FreshProcesses:
     that row comes; it is still fresh (it has measured nothing) then. With ``ahead``, for a caller
     that asks for rows one after another (autoplan: on an H200, a row's process took 3-5 s to
     import torch and 0.5-3 s to start CUDA before it built the model), :attr:`depth` processes
-    wait (:data:`AHEAD`), each started as a row starts, and :meth:`prime` has each make the rows' library calls
-    while it waits: two rows asked back to back then both find a process that is ready (on an
-    H100, efficientnet_b0's second row, asked 2 s after the first, waited 20 s for its process's
-    start and calls). A start overlaps a row in another process: that row's step time may read
-    the start's load; its memory is its own process's. Those started and never used are stopped
-    by :meth:`close`.
+    wait (:data:`AHEAD`), each started as a row starts, and :meth:`prime` has each make the
+    rows' library calls while it waits: two rows asked back to back then both find a process
+    that is ready (on an H100, efficientnet_b0's second row, asked 2 s after the first, waited
+    20 s for its process's start and calls). A start overlaps a row in another process: that
+    row's step time may read the start's load; its memory is its own process's. Those started
+    and never used are stopped by :meth:`close`.
 
     Example::
 
@@ -709,7 +709,7 @@ class FreshProcesses:
         for pool in list(self._waiting) if new else ():
             try:
                 pool.submit(replay, new, keep)
-            except Exception:  # noqa: BLE001 - a process that died waiting (killed for memory): the next row starts its own
+            except Exception:  # noqa: BLE001 - it died waiting (killed for memory): a row starts its own
                 self._waiting.remove(pool)
                 _end(_stop(pool), grace=0)
 

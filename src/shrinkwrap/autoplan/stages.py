@@ -160,8 +160,8 @@ class _Rows:
         process primed with their own calls, 0.72-0.74 s with the base's alone, and 11.5 s where
         the base lacked their layout. A replay makes a call only where its device has room for
         it beyond :meth:`_keep`. On CUDA only, where rows run in fresh processes; not for a
-        compiled plan (its iteration here would compile it), and not once
-        the first plan recorded made no such call."""
+        compiled plan (its iteration here would compile it), and not once the first plan
+        recorded made no such call."""
         keep = self._keep()  # None off CUDA
         if keep is None or self.unsendable or not first_use.SUPPORTED or str(plan) in self.primed or self.primed_none \
                 or any(s.name == "compile" for s in plan.steps):
