@@ -94,7 +94,7 @@ def test_low_bit_adamw_compiles_its_slice_update_on_cuda_to_the_eager_numbers_on
 
     from torch._dynamo.utils import counters
 
-    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer")
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer.lowbit")
     torch.manual_seed(0)
     weights = [torch.randn(3 * (1 << 20) + 1000, device="cuda"), torch.randn(300, 7, device="cuda")]
     grads = [[torch.randn_like(w) * 1e-2 for w in weights] for _ in range(4)]

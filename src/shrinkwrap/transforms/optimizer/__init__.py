@@ -1,0 +1,28 @@
+"""The optimizer's share of the bill: its step inside backward, its state off the GPU, and smaller state.
+
+A training iteration's peak holds, besides activations, the parameters, their gradients and the
+optimizer's state: 16 bytes a parameter for float32 AdamW. ``step_in_backward(optimizer, options,
+state)`` takes the gradient term away, and with ``state="cpu"`` the state too; ``LowBitAdamW``
+keeps the state in 8 bits (lossy, opt-in). The files, one concern each:
+
+- ``step.py``: the plan step and ``sw.optimizer(model)``, the handle the loop drives.
+- ``handle.py``: the handle, ``InBackward``: the optimizer per parameter, stepped in its hook, in
+  buckets or on the CPU, and what a plain loop does that it refuses.
+- ``standin.py``: what ``.grad`` holds after the step used a gradient.
+- ``lowbit.py``: ``LowBitAdamW``.
+
+Example::
+
+    >>> sw.apply(model, "step_in_backward(torch.optim.AdamW, options={'lr': 1e-4, 'weight_decay': 0.01})")
+    >>> opt = sw.optimizer(model)                 # for the loop, a scheduler, checkpoints
+    >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
+    >>> for batch in data:
+    ...     model(**batch).loss.backward()        # each parameter is updated here
+    ...     opt.step(); opt.zero_grad(); sched.step()
+"""
+
+from .handle import InBackward
+from .lowbit import LowBitAdamW
+from .step import StepInBackward, apply_step_in_backward, optimizer
+
+__all__ = ["StepInBackward", "InBackward", "LowBitAdamW", "apply_step_in_backward", "optimizer"]

@@ -1,0 +1,828 @@
+"""The optimizer-shaped handle of a model whose optimizer steps inside backward: :class:`InBackward`.
+
+Each parameter that requires grad gets an optimizer of its own (the class and options given), and a
+hook that steps it as soon as its gradient is accumulated, then leaves a stand-in
+(:class:`~.standin.Consumed`) in ``.grad``. To the loop the handle is the plain optimizer the user
+would have built over ``model.parameters()``: one param group of every parameter (``add_param_group``
+takes some out into groups of their own), whose options the steps in backward read, so that LR
+schedulers, step hooks and ``state_dict`` round trips with a plain optimizer of the same class work.
+
+What a plain loop does that a step in backward cannot follow is refused, at the earliest point
+where it can be known (see docs/steps/step_in_backward.md): a backward that discards or adds to
+gradients the step used, a non-finite gradient (never stepped), a backward that raised halfway.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import sys
+import threading
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ... import _rewrite
+from .lowbit import LowBitAdamW, _is_fake
+from .standin import Consumed, is_stand_in, local, norms, stand_in
+
+# Gradients that wait in backward to be stepped together (see InBackward._later): at most 128 MiB,
+# and a sixteenth of the model's gradient bytes, so that the gradient term stays out of the peak.
+_BUCKET = 128 << 20
+_SHARE = 16
+_TOGETHER = 64  # bucket optimizers kept (buckets differ where a forward leaves parameters unused)
+_HOW = ("foreach", "fused")  # the group options that say how an optimizer steps, not what it computes
+
+_LIVE: "weakref.WeakSet[InBackward]" = weakref.WeakSet()  # the handles alive, for the GradScaler guard
+
+
+def _compiled_autograd() -> bool:
+    """Whether backward runs under compiled autograd, whose engine takes no end-of-backward
+    callback but from a full graph: there each parameter steps in its hook."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported: not running
+    region = getattr(ca, "in_compiled_autograd_region", False)  # a flag in some versions, a function in others
+    return bool(region() if callable(region) else region)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True``, ``create_graph=True``)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep()) if keep is not None and not _compiled_autograd() else False
+
+
+def per_parameter_options(cls: type, options: dict) -> dict:
+    """``options`` with ``foreach=False`` where ``cls`` takes it: an optimizer over one tensor has
+    nothing to group (a class without the keyword, most third-party ones, takes ``options`` as given)."""
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **{**options, "foreach": False})
+    except TypeError:
+        return dict(options)
+    return {**options, "foreach": False}
+
+
+def _one_optimizer(cls: type, p: torch.Tensor, options: dict, fused: bool) -> torch.optim.Optimizer:
+    """``cls`` over the one tensor ``p``: fused where asked and the class has a fused form for
+    ``p``'s device and dtype (a GPU parameter or its CPU copy), else with ``options`` as given."""
+    if fused:
+        try:
+            return cls([p], **{**options, "foreach": None, "fused": True})
+        except (TypeError, ValueError, RuntimeError):  # no fused form of this class here
+            pass
+    return cls([p], **options)
+
+
+class _OnCpu:
+    """One parameter's optimizer stepped on the CPU: its copy (float32 where the parameter is
+    half: the master copy), gradient buffer and norms in pinned memory (plain memory where there
+    is no CUDA), the optimizer over the copy.
+
+    The weight comes down with its gradient every step, so that the step starts from what the
+    model holds (a ``load_state_dict``, a clamp, a resume since): a float32 weight is stepped as it
+    came; of a half weight, the values that differ from the master copy's rounding replace the
+    master's. For a GPU's parameter the CPU optimizer is torch's fused one where its class has one
+    (AdamW, Adam, SGD, Adagrad): one pass over the values instead of one an operation. A CPU
+    model's parameters keep the single-tensor path, and with it the plain loop's bits."""
+
+    def __init__(self, p: torch.Tensor, cls: type, options: dict) -> None:
+        pinned = p.is_cuda
+        dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+        self.master = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
+        self.master.copy_(p.detach())
+        self.master.requires_grad_(True)
+        self.seen = None if dtype == p.dtype else torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
+        self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
+        self.norms = torch.empty(2, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
+        self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
+        self.ready: torch.cuda.Event | None = None
+
+    def take(self, weight: torch.Tensor) -> None:
+        """The master copy from the weight the model holds (``weight``: on the CPU, or ``seen``)."""
+        if self.seen is None:
+            if weight is not self.master:
+                self.master.detach().copy_(weight)
+            return
+        changed = weight != self.master.detach().to(weight.dtype)
+        if bool(changed.any()):
+            self.master.detach()[changed] = weight[changed].to(self.master.dtype)
+
+
+@dataclasses.dataclass
+class _Backward:
+    """What one backward did: the parameters it stepped, whether a non-finite gradient stopped
+    its steps, and whether the end-of-backward callback will tell that it ended (``tracked``)."""
+
+    tracked: bool
+    stepped: list = dataclasses.field(default_factory=list)
+    skipping: bool = False
+
+
+def _signature(p: torch.Tensor) -> tuple:
+    return p.device, p.dtype, tuple(p.shape)
+
+
+def _names(names: list[str], more: int = 0) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    rest = len(names) - 3 + more
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+class InBackward(torch.optim.Optimizer):
+    """The optimizer-shaped handle of a model whose optimizer steps inside backward (see the module
+    docstring). A ``torch.optim.Optimizer``: schedulers, step hooks and ``state_dict`` see the plain
+    optimizer ``cls(model.parameters(), **options)``, whatever steps each parameter."""
+
+    def __init__(self, cls: type, options: dict, on_cpu: bool, spec: tuple = ()) -> None:
+        # Not Optimizer.__init__, which wants the parameters: the model's come at bind().
+        template = cls([torch.zeros(1, requires_grad=True)], **options)
+        self.defaults = dict(template.defaults)
+        self.param_groups = [{"params": [], **{k: v for k, v in template.param_groups[0].items() if k != "params"}}]
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()  # step() runs the step hooks
+        self.cls, self.spec, self.on_cpu = cls, spec, on_cpu
+        self.options = per_parameter_options(cls, options)
+        self.names: list[str] = []  # every parameter of the model, in its order
+        self.params: dict[str, torch.Tensor] = {}
+        self.group_of: dict[str, int] = {}  # the parameters add_param_group put in groups 1...
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}  # the parameters that require grad
+        self.bound: dict[str, tuple] = {}  # the object and signature each optimizer was built for
+        self.pending: dict[str, dict] = {}  # loaded state of parameters without an optimizer yet
+        self.hooks: dict[str, Any] = {}
+        self.cpu: dict[str, _OnCpu] = {}
+        self.futures: list[concurrent.futures.Future] = []
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.streams: tuple | None = None
+        self.lock = threading.Lock()
+        self.model: Any = lambda: None  # a weak reference to the model, set by the step
+        # Gradients waiting to be stepped together (see _later), and the optimizers that step a
+        # bucket of parameters at once, by the bucket's names.
+        self.waiting: dict[str, torch.Tensor] = {}
+        self.waiting_bytes = 0
+        self.grad_bytes = 0
+        self.together: OrderedDict[tuple[str, ...], torch.optim.Optimizer] = OrderedDict()
+        self.backward: _Backward | None = None  # the backward running, or one that raised
+        self.unconfirmed: list[_Backward] = []  # the backwards that stepped since the last step()
+        self.skipped: str | None = None  # the non-finite gradient that stopped the last backward's steps
+        self.retained = False  # warned that a backward keeping its graph keeps its gradients
+        _LIVE.add(self)
+        _guard_grad_scaler()
+
+    # -- what torch's Optimizer API reads ----------------------------------------------------------
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        """Each parameter's state, keyed by the model's parameter, as a plain optimizer's."""
+        out: dict = {}
+        for n in self.names:
+            opt = self.optimizers.get(n)
+            own = next(iter(opt.state.values()), None) if opt is not None else self.pending.get(n)
+            if own:
+                out[self.params[n]] = own
+        return out
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass  # the per-parameter optimizers' own
+
+    def __getstate__(self) -> dict:
+        """A copy (``deepcopy``, pickle, ``AveragedModel``) steps with the same class, options and
+        groups from fresh state: the state is saved through ``state_dict()``, as a plain optimizer's."""
+        self.wait()
+        return {"cls": self.cls, "options": self.spec_options, "on_cpu": self.on_cpu, "spec": self.spec,
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "group_of": dict(self.group_of)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["cls"], state["options"], state["on_cpu"], state["spec"])
+        self.param_groups = [{"params": [], **g} for g in state["groups"]]
+        self.group_of = dict(state["group_of"])
+
+    @property
+    def spec_options(self) -> dict:
+        return {k: v for k, v in self.options.items() if k != "foreach"}
+
+    def __repr__(self) -> str:
+        return (f"InBackward({self.cls.__module__}.{self.cls.__qualname__}, {len(self.optimizers)} parameters "
+                f"trained, state on the {'CPU' if self.on_cpu else 'device'})")
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Runs ``closure`` (its backward steps the parameters), waits for updates on the CPU, and
+        steps, as a plain optimizer would, each parameter whose gradient is still in ``.grad``: a
+        backward that kept its graph left it there, or FSDP2 held the parameter unsharded when
+        the hooks were placed. Raises where the last backward stopped at a non-finite gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._settle()
+        if self.skipped is not None:
+            name, self.skipped = self.skipped, None
+            raise RuntimeError(
+                f"shrinkwrap: step() after a backward whose gradient of {name!r} was not finite: this model's "
+                "optimizer steps inside backward (step_in_backward()), and stepped none of that backward's "
+                "gradients (a plain optimizer would write NaN into the weights). Skip such a batch with "
+                "zero_grad() instead of step() (a guard on the loss, or on what clip_grad_norm_ returns).")
+        self._rebind()
+        late = _Backward(tracked=False)
+        for n, p in self.params.items():
+            if n in self.optimizers and p.grad is not None and not is_stand_in(p.grad):
+                if self.on_cpu:
+                    self._to_cpu(n, p, late)
+                else:
+                    self._step([n], [p], late)
+        self.wait()
+        self.unconfirmed = []
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the stand-ins backward left in ``.grad`` (``set_to_none=False``: zero gradients'
+        stand-ins, which the next forward drops). Raises after a backward that no ``step()``
+        followed: its gradients were applied already, and a loop that discards them cannot be
+        followed."""
+        self._settle()
+        self._confirmed("zero_grad()")
+        self.skipped = None
+        self._rebind()
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's: the group's parameters step with its options. Parameters of the first
+        group (every parameter no other group names) move to the new one; a parameter of another
+        added group raises, as torch's does."""
+        self._rebind()
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("shrinkwrap: add_param_group() takes the parameters as a list or a tensor, not a set, "
+                            "whose order changes between runs")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        by_id = {id(p): n for n, p in self.params.items()}
+        names = []
+        for p in params:
+            if id(p) not in by_id:
+                raise ValueError(f"shrinkwrap: add_param_group() takes the model's own parameters; a tensor of shape "
+                                 f"{tuple(p.shape)} is not one of them (add a new module to the model first)")
+            names.append(by_id[id(p)])
+        if any(self.group_of.get(n, 0) for n in names) or len(set(names)) != len(names):
+            raise ValueError("some parameters appear in more than one parameter group")
+        group = {k: v for k, v in param_group.items() if k != "params"}
+        for k, v in self.defaults.items():
+            if v is torch.optim.optimizer.required and k not in group:
+                raise ValueError(f"parameter group didn't specify a value of required optimization parameter {k}")
+            group.setdefault(k, v)
+        self.param_groups.append({"params": [], **group})
+        for n in names:
+            self.group_of[n] = len(self.param_groups) - 1
+        self._regroup()
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        """As a plain optimizer's over the same groups: parameters numbered group by group."""
+        self.wait()
+        self._rebind()
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
+        state, groups, i = {}, [], 0
+        for g, group in enumerate(self.param_groups):
+            members = self._members(g)
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(i, i + len(members)))})
+            for n in members:
+                own = self._own_state(n)
+                if own:
+                    state[i] = own
+                i += 1
+        out = {"state": state, "param_groups": groups}
+        for post in self._optimizer_state_dict_post_hooks.values():
+            out = post(self, out) or out
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """As a plain optimizer's: the saved groups' options, each parameter's state onto the
+        parameter at its place (on the CPU with ``state='cpu'``)."""
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre(self, state_dict) or state_dict
+        self.wait()
+        self._rebind()
+        saved_groups = state_dict["param_groups"]
+        sizes = [len(self._members(g)) for g in range(len(self.param_groups))]
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if len(sizes) == 1 and len(saved_sizes) > 1 and sum(saved_sizes) == sizes[0]:
+            # A plain optimizer of several groups over model.parameters() in order (one a
+            # parameter, say): the handle takes its groups.
+            self.param_groups[1:] = [{"params": [], **self.param_groups[0]} for _ in saved_sizes[1:]]
+            owners = [g for g, size in enumerate(saved_sizes) for _ in range(size)]
+            self.group_of = {n: g for n, g in zip(self.names, owners) if g}
+            self._regroup()
+            sizes = saved_sizes
+        if [len(g["params"]) for g in saved_groups] != sizes:
+            raise ValueError(
+                f"shrinkwrap: a state_dict of groups of {[len(g['params']) for g in saved_groups]} parameters cannot "
+                f"load into this handle's groups of {sizes} (every parameter of the model, in model.parameters() "
+                f"order, then the groups add_param_group() made): save it from a handle, or from "
+                f"{self.cls.__name__}(model.parameters())")
+        for g, saved in enumerate(saved_groups):
+            self.param_groups[g].update({k: v for k, v in saved.items() if k != "params"})
+            for i, n in zip(saved["params"], self._members(g)):
+                own = state_dict["state"].get(i)
+                if n in self.optimizers:
+                    self._load_one(n, own)
+                elif own:
+                    self.pending[n] = own
+                else:
+                    self.pending.pop(n, None)
+        self.together.clear()  # their state dicts are new ones
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def _own_state(self, n: str) -> dict | None:
+        opt = self.optimizers.get(n)
+        if opt is None:
+            return self.pending.get(n)
+        return opt.state_dict()["state"].get(0)
+
+    def _load_one(self, n: str, own: dict | None) -> None:
+        opt = self.optimizers[n]
+        # How each optimizer steps (fused, foreach) stays its own: a plain optimizer's state_dict
+        # would otherwise turn a per-parameter step into its multi-tensor path.
+        group = {**opt.param_groups[0], **self._options(n)}
+        group.pop("params")
+        opt.load_state_dict({"state": {0: own} if own else {}, "param_groups": [{**group, "params": [0]}]})
+
+    # -- groups --------------------------------------------------------------------------------------
+    def _members(self, g: int) -> list[str]:
+        return [n for n in self.names if self.group_of.get(n, 0) == g]
+
+    def _regroup(self) -> None:
+        for g, group in enumerate(self.param_groups):
+            group["params"] = [self.params[n] for n in self._members(g)]
+
+    def _options(self, n: str) -> dict:
+        """What ``n`` steps with: its group's options (a scheduler's learning rate), and how its
+        own optimizer steps (``_HOW``)."""
+        group = self.param_groups[self.group_of.get(n, 0)]
+        own = self.optimizers[n].param_groups[0]
+        return {**{k: v for k, v in group.items() if k != "params" and k not in _HOW},
+                **{k: own[k] for k in _HOW if k in own}}
+
+    # -- binding parameters ------------------------------------------------------------------------
+    def bind(self, model: nn.Module) -> None:
+        """Take the model's parameters as they are now: every parameter joins the first group, and
+        each that requires grad gets an optimizer and the hook, where it has none or the model
+        holds another object under its name, or the same one on another device or dtype, than
+        when it got one (at apply; after FSDP2's fully_shard swapped them; after a parameter was
+        unfrozen, an adapter added, the model moved)."""
+        named = dict(model.named_parameters())
+        # Under FSDP2 the model holds its sharded parameters between forwards and the unsharded ones
+        # while a module runs: the step takes the sharded one, whose reduced gradient FSDP2 hands to
+        # the hooks.
+        sharded = bool(_rewrite.sharded(model))
+        changed = list(named) != self.names and not sharded
+        for n, p in named.items():
+            if sharded and getattr(p, "_local_tensor", None) is None:
+                continue
+            if self.params.get(n) is not p:
+                self.params[n], changed = p, True
+            then = self.bound.get(n)
+            if p.requires_grad and (then is None or then[0] is not p or then[1] != _signature(p)):
+                self._bind_one(n, p)
+                changed = True
+        if not changed:
+            return
+        if not sharded:
+            for n in [n for n in self.params if n not in named]:
+                self._unbind(n)
+            self.names = list(named)
+        else:
+            self.names = [n for n in named if n in self.params]
+        self._regroup()
+        self.together.clear()
+        self.grad_bytes = sum(p.numel() * p.element_size() for n, p in self.params.items() if n in self.optimizers)
+
+    def _bind_one(self, n: str, p: torch.Tensor) -> None:
+        old = self.optimizers.get(n)
+        if old is not None and any(old.state.values()):
+            then = self.bound[n]
+            what = ("was replaced (by sharding?)" if then[0] is not p else
+                    f"moved from {then[1][0]} {then[1][1]} to {p.device} {p.dtype}")
+            raise RuntimeError(f"shrinkwrap: parameter {n!r} {what} after training began; its optimizer state "
+                               "cannot follow it. Shard, move or cast the model before its first step, or load the "
+                               "handle's state_dict() again after.")
+        if n in self.hooks:
+            self.hooks.pop(n).remove()
+        on = _OnCpu(p, self.cls, self.options) if self.on_cpu else None
+        # A DTensor (FSDP2's shard) keeps the single-tensor step: torch's fused kernels are
+        # not among the operations DTensor shards in every version.
+        new = on.optimizer if on else _one_optimizer(
+            self.cls, p, self.options, fused=p.is_cuda and getattr(p, "_local_tensor", None) is None)
+        if old is not None:
+            group = old.param_groups[0]
+            # The dict the optimizer held, stepping as the new optimizer does (fused where the new
+            # one took a GPU tensor, a shard's single-tensor step otherwise).
+            group.update({k: v for k, v in new.param_groups[0].items() if k in ("params", *_HOW)})
+            new.param_groups[0] = group
+        if on is not None:
+            self.cpu[n] = on
+        self.optimizers[n], self.bound[n] = new, (p, _signature(p))
+        if n in self.pending:
+            self._load_one(n, self.pending.pop(n))
+        self.hooks[n] = p.register_post_accumulate_grad_hook(self._hook(n))
+
+    def _unbind(self, n: str) -> None:
+        if n in self.hooks:
+            self.hooks.pop(n).remove()
+        for table in (self.params, self.optimizers, self.bound, self.cpu, self.pending, self.group_of):
+            table.pop(n, None)
+
+    def _rebind(self) -> None:
+        model = self.model()
+        if model is not None:
+            self.bind(model)
+
+    def _hook(self, name: str) -> Any:
+        # The hook reaches the handle through a weak reference: a tensor's hooks are held from C++,
+        # where the garbage collector cannot see them, so a handle -> parameter -> hook -> handle
+        # cycle would never be collected, and a model dropped without revert() would keep its
+        # parameters and optimizer state on the GPU.
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            handle = ref()
+            if handle is not None:  # else the model and its handle are gone
+                handle._arrived(name, p)
+        return hook
+
+    # -- in backward ---------------------------------------------------------------------------------
+    @property
+    def batched(self) -> bool:
+        """Whether gradients may wait to be stepped in buckets: for torch's optimizers and
+        :class:`LowBitAdamW`, which keep everything of a parameter in its group and ``state[p]``
+        (another class may keep more on the optimizer object, which a bucket's would not share)."""
+        torch_own = self.cls.__module__.startswith("torch.optim") and self.cls is not torch.optim.LBFGS
+        return torch_own or self.cls is LowBitAdamW
+
+    def _arrived(self, name: str, p: torch.Tensor) -> None:
+        """``p``'s gradient is accumulated: step it (now, in a bucket, or on the CPU) and leave the
+        stand-in, or leave the gradient for ``step()`` where the backward keeps its graph."""
+        if (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1 and getattr(p, "_local_tensor", None) is None):
+            raise RuntimeError(
+                f"shrinkwrap: step_in_backward() steps {name!r} as its gradient is accumulated, before DDP "
+                "averages it across ranks: each rank would train on its own gradient. Use FSDP2 "
+                "(fully_shard), whose reduced gradient the step takes, or leave the step out.")
+        if _keeps_graph():
+            # A second backward through this graph would need the weights as they are, and a plain
+            # loop steps the sum: the gradient stays, for that backward's hook or for step().
+            if not self.retained:
+                self.retained = True
+                warnings.warn("shrinkwrap: a backward that keeps its graph (retain_graph=True) keeps its "
+                              "gradients until the next backward or step(), as a plain optimizer's: their memory "
+                              "is back while it does", stacklevel=2)
+            return
+        record = self._begin()
+        grad = local(p.grad)
+        if self.on_cpu:
+            if grad.is_sparse:
+                raise RuntimeError(f"shrinkwrap: {name!r} has a sparse gradient, which step_in_backward(state='cpu') "
+                                   "does not take: use state='device'")
+            self._to_cpu(name, p, record)
+        elif (self.batched and getattr(p, "_local_tensor", None) is None and not grad.is_sparse
+              and record.tracked and not record.skipping):
+            self._later(name, p)
+        else:
+            self._step([name], [p], record)
+
+    def _begin(self) -> _Backward:
+        """The record of the running backward, begun with its first gradient: the engine's
+        end-of-backward callback ends it (compiled autograd has none: each parameter steps alone)."""
+        with self.lock:
+            if self.backward is None:
+                self.backward = _Backward(tracked=not _compiled_autograd())
+                if self.backward.tracked:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end)
+            return self.backward
+
+    def _end(self) -> None:
+        self._step_waiting()
+        with self.lock:
+            record, self.backward = self.backward, None
+        if record is not None:
+            self.unconfirmed.append(record)
+
+    def _step(self, names: list[str], params: list[torch.Tensor], record: _Backward) -> None:
+        """Step ``params`` (a bucket, or one), unless a gradient is not finite, and leave their
+        stand-ins. A non-finite gradient is never stepped: where nothing of this backward was
+        stepped yet, nothing is (the loop may skip the batch with zero_grad()); else it raises now,
+        naming what was."""
+        two, peak = norms([local(p.grad) for p in params])
+        if record.skipping or not self._finite(names, params, two, record):
+            for n, p, a, b in zip(names, params, two, peak):
+                p.grad = stand_in(p, n, a, b)
+            return
+        for key, members in self._kinds(names).items():
+            opt = self._together(tuple(members)) if len(members) > 1 else self.optimizers[members[0]]
+            opt.param_groups[0].update(self._options(members[0]))
+            opt.step()
+        for n, p, a, b in zip(names, params, two, peak):
+            p.grad = stand_in(p, n, a, b)
+        record.stepped += names
+
+    def _finite(self, names: list[str], params: list[torch.Tensor], two: list[torch.Tensor],
+                record: _Backward) -> bool:
+        """Whether every gradient is finite (a non-finite norm is confirmed on the values: a norm
+        can overflow); else stop this backward's steps, and raise where some were stepped."""
+        if not record.tracked or _is_fake(two[0]):  # compiled autograd, estimate(), step()'s (as plain)
+            return True
+        if bool(torch.isfinite(torch.stack([t.to(two[0].dtype) for t in two])).all()):
+            return True
+        bad = [n for n, p in zip(names, params) if not bool(torch.isfinite(local(p.grad)).all())]
+        if not bad:
+            return True
+        self._stop(record, bad[0])
+        return False
+
+    def _stop(self, record: _Backward, bad: str, worker: bool = False) -> None:
+        """A non-finite gradient of ``bad``: this backward steps nothing more; raise if it stepped some
+        (in backward; from the CPU worker, at the next :meth:`wait`)."""
+        record.skipping = True
+        if not record.stepped:
+            self.skipped = bad
+            return
+        stepped = self._stepped() + record.stepped
+        if not worker:
+            with self.lock:
+                self.backward, self.unconfirmed, self.waiting, self.waiting_bytes = None, [], {}, 0
+        raise RuntimeError(
+            f"shrinkwrap: a non-finite gradient of {bad!r} in backward, after the optimizer had stepped "
+            f"{_names(stepped)} in it (step_in_backward()); nothing after was stepped, and the model holds part "
+            "of an update. Reload the last checkpoint (the model and sw.optimizer(model).state_dict()); to skip "
+            "bad batches, check the loss before backward.")
+
+    def _kinds(self, names: list[str]) -> dict:
+        """``names`` by what they step with: their group, and how their optimizers step."""
+        kinds: dict = {}
+        for n in names:
+            own = self.optimizers[n].param_groups[0]
+            kinds.setdefault((self.group_of.get(n, 0), tuple(own.get(k) for k in _HOW)), []).append(n)
+        return kinds
+
+    def _later(self, name: str, p: torch.Tensor) -> None:
+        """Step ``p`` with the gradients that came before it, once they hold ``_BUCKET`` bytes (or a
+        ``_SHARE``-th of the model's gradients, the less), and at the end of this backward at the
+        latest. One optimizer step a bucket, not a parameter: each step costs the CPU time besides
+        its arithmetic (torch's Optimizer.step, its groups' bookkeeping), which a backward that
+        keeps the GPU waiting on the CPU pays in full (RESULTS.md, the whole memory bill)."""
+        with self.lock:  # hooks run on one autograd thread a device
+            if name in self.waiting:
+                # A second gradient into one still waiting (a reentrant checkpoint around a parameter
+                # used outside it too): stepped once, it would leave one of them unused.
+                raise RuntimeError(f"shrinkwrap: a second gradient accumulated into {name!r} in one backward (a "
+                                   "reentrant checkpoint around a parameter used outside it too): this model's "
+                                   "optimizer steps inside backward (step_in_backward()) and would step it twice. "
+                                   "Checkpoint with use_reentrant=False (shrinkwrap's checkpoint() does).")
+            self.waiting[name] = p
+            self.waiting_bytes += p.grad.numel() * p.grad.element_size()
+            full = self.waiting_bytes >= min(_BUCKET, self.grad_bytes // _SHARE)
+        if full:
+            self._step_waiting()
+
+    def _step_waiting(self) -> None:
+        with self.lock:
+            waiting, self.waiting, self.waiting_bytes = self.waiting, {}, 0
+            record = self.backward
+        if waiting:
+            self._step(list(waiting), list(waiting.values()), record)
+
+    def _together(self, names: tuple[str, ...]) -> torch.optim.Optimizer:
+        """One optimizer over the parameters ``names`` (of one kind, see :meth:`_kinds`), sharing
+        their optimizers' state (the same ``state[p]`` dicts): it computes what their own steps
+        compute, the same kernels over a list (bit for bit: CPU tests)."""
+        opt = self.together.pop(names, None)
+        if opt is None:
+            opt = self.cls([self.params[n] for n in names], **self.options)
+        self.together[names] = opt  # the most recent last
+        while len(self.together) > _TOGETHER:
+            self.together.popitem(last=False)
+        for n in names:
+            p = self.params[n]
+            opt.state[p] = self.optimizers[n].state[p]
+        return opt
+
+    def _to_cpu(self, name: str, p: torch.Tensor, record: _Backward) -> None:
+        """The gradient, its norms and the weight down (a side stream), the step on the worker
+        thread, the weight back up (another stream); a non-finite gradient stops the steps as on
+        the device, raised at the next ``wait()`` where some were stepped."""
+        on = self.cpu[name]
+        grad = p.grad
+        two, peak = norms([local(grad)])
+        weight = on.master.detach() if on.seen is None else on.seen
+        if p.is_cuda:
+            if self.streams is None:
+                self.streams = (torch.cuda.Stream(p.device), torch.cuda.Stream(p.device))
+            down, up = self.streams
+            down.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(down):
+                on.grad.copy_(grad, non_blocking=True)
+                weight.copy_(p.detach(), non_blocking=True)
+                on.norms.copy_(torch.stack([two[0], peak[0]]), non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(down)
+            grad.record_stream(down)  # its memory is reused only once the copy is done
+        else:
+            on.grad.copy_(grad)
+            on.norms.copy_(torch.stack([two[0], peak[0]]))
+            copied = up = None
+        p.grad = stand_in(p, name, two[0], peak[0])
+        # The step holds the parameter weakly: a finished step's closure can outlive wait() for a
+        # moment in the worker, and must not keep a dropped model's weights.
+        ref = weakref.ref(p)
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
+
+        def step() -> None:
+            p = ref()
+            if p is None:
+                return
+            if copied is not None:
+                copied.synchronize()
+            finite = math.isfinite(float(on.norms[0])) or bool(torch.isfinite(on.grad).all())
+            with self.lock:
+                if record.skipping:
+                    return
+            if not finite:
+                self._stop(record, name, worker=True)
+                return
+            on.take(weight if p.is_cuda else p.detach())
+            on.master.grad = on.grad
+            on.optimizer.param_groups[0].update(self._options(name))
+            on.optimizer.step()
+            on.master.grad = None
+            with self.lock:
+                record.stepped.append(name)
+            with torch.no_grad():
+                if up is not None:
+                    with torch.cuda.stream(up):
+                        p.data.copy_(on.master, non_blocking=True)
+                        on.ready = torch.cuda.Event()
+                        on.ready.record(up)
+                else:
+                    p.data.copy_(on.master)
+
+        with self.lock:
+            self.futures.append(self.worker.submit(step))
+
+    # -- between backwards -----------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Every CPU step done and its weight back (the compute stream waits for the copies); the
+        first error a CPU step raised is raised here."""
+        with self.lock:
+            futures, self.futures = self.futures, []
+        errors = [f.exception() for f in futures]
+        if self.streams is not None:
+            torch.cuda.current_stream(self.streams[1].device).wait_stream(self.streams[1])
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            with self.lock:
+                self.backward, self.unconfirmed = None, []  # the error names what was stepped
+            raise first
+
+    def _settle(self) -> None:
+        """After a backward that raised before its end: its waiting gradients are left in ``.grad``
+        (not stepped behind the caller's back), and where it had stepped some, that is raised."""
+        self.wait()
+        with self.lock:
+            record = self.backward
+            if record is None:
+                return
+            self.backward, self.waiting, self.waiting_bytes = None, {}, 0
+        if record.tracked and record.stepped:
+            stepped, self.unconfirmed = self._stepped() + record.stepped, []
+            raise RuntimeError(
+                f"shrinkwrap: the last backward raised after the optimizer had stepped {_names(stepped)} in it "
+                "(step_in_backward()); the rest were not stepped, and the model holds part of an update. Reload "
+                "the last checkpoint (the model and sw.optimizer(model).state_dict()), or go on from here.")
+
+    def _confirmed(self, what: str) -> None:
+        """Raise where a backward stepped parameters and no ``step()`` followed before ``what``."""
+        stepped = self._stepped()
+        if not stepped:
+            return
+        self.unconfirmed = []
+        raise RuntimeError(
+            f"shrinkwrap: {what} after a backward that no step() followed: this model's optimizer steps inside "
+            f"backward (step_in_backward()), and that backward already applied its gradients to {_names(stepped)}. "
+            "A loop that discards a backward's gradients (a GAN's generator loss through the discriminator, a "
+            "backward for analysis) or accumulates them over several cannot step in backward: call step() after "
+            "each backward, freeze parameters that must not learn from one (requires_grad_(False)), or leave "
+            "step_in_backward() out of the plan (shrinkwrap.revert(model)).")
+
+    def _stepped(self) -> list[str]:
+        return [n for record in self.unconfirmed for n in record.stepped]
+
+    def before_forward(self, module: nn.Module) -> None:
+        """The root's forward pre-hook: CPU updates back, zero gradients' stand-ins dropped, and,
+        for a training forward, the parameters bound (see :meth:`bind`)."""
+        self._settle()
+        if torch.is_grad_enabled() and module.training:
+            if self.model() is None:
+                self.model = weakref.ref(module)
+            self._confirmed("a training forward")
+            self.bind(module)
+            for p in self.params.values():
+                if isinstance(p.grad, Consumed) and p.grad.zeroed:
+                    p.grad = None
+
+    def close(self) -> None:
+        self.wait()
+        for handle in self.hooks.values():
+            handle.remove()
+        self.hooks.clear()
+        _LIVE.discard(self)
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+
+
+def _guard_grad_scaler() -> None:
+    """``torch.amp.GradScaler.scale`` refuses a loss of a model whose optimizer steps in backward,
+    before its backward steps the scaled gradients (installed once, with the first handle)."""
+    cls = torch.amp.GradScaler
+    if getattr(cls.scale, "_sw_guard", False):
+        return
+    original = cls.scale
+
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        if getattr(self, "_enabled", True) and len(_LIVE):
+            _refuse_scaled(outputs)
+        return original(self, outputs)
+
+    scale._sw_guard = True  # type: ignore[attr-defined]
+    cls.scale = scale
+
+
+def _refuse_scaled(outputs: Any) -> None:
+    """Raise where the graph behind ``outputs`` reaches a parameter a live handle steps."""
+    stepped = {id(p) for h in list(_LIVE) for p in h.params.values()}
+    roots = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in stepped:
+            raise RuntimeError(
+                "shrinkwrap: GradScaler.scale() on a loss of a model whose optimizer steps inside backward "
+                "(step_in_backward()): backward would step each parameter with the scaled gradient before the "
+                "scaler could unscale or skip it. Train in bfloat16 (autocast(torch.bfloat16) needs no scaler), "
+                "or leave step_in_backward() out of the plan (shrinkwrap.revert(model)).")
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+
+
+def check_class(cls: type, options: dict, device: torch.device) -> None:
+    """Refuse, before any change, a class whose step cannot run a parameter at a time in backward:
+    LBFGS (a closure evaluated again within a step), a class whose update of several parameters
+    differs from its update of each alone (a global gradient norm, LAMB-style), one that cannot
+    step without a closure. torch's classes and :class:`LowBitAdamW` update each parameter alone."""
+    if cls is torch.optim.LBFGS:
+        raise ValueError("shrinkwrap: step_in_backward(torch.optim.LBFGS): LBFGS evaluates the loss again within a "
+                         "step through a closure, which cannot run inside backward; train with it as a plain "
+                         "optimizer (leave step_in_backward() out of the plan)")
+    if cls.__module__.startswith("torch.optim") or cls is LowBitAdamW:
+        return
+    options = per_parameter_options(cls, options)
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,)]
+    start = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(3)]
+    together = [t.clone().to(device).requires_grad_(True) for t in start]
+    alone = [t.clone().to(device).requires_grad_(True) for t in start]
+    try:
+        opts = [cls(together, **options)] + [cls([p], **options) for p in alone]
+        for step in grads:
+            for p, q, grad in zip(together, alone, step):
+                p.grad, q.grad = grad.to(device), grad.to(device)
+            for opt in opts:
+                opt.step()
+    except Exception as exc:  # noqa: BLE001 - the class's own message, before any change
+        raise ValueError(f"shrinkwrap: step_in_backward({cls.__qualname__}) steps each parameter alone, without a "
+                         f"closure; {cls.__qualname__} could not step two small tensors so on {device}: {exc}") from None
+    if not all(torch.equal(p, q) for p, q in zip(together, alone)):
+        raise ValueError(f"shrinkwrap: step_in_backward({cls.__qualname__}): its update of two parameters together "
+                         "differs from its update of each alone (a norm over all the gradients, as LAMB-style or "
+                         "clipping optimizers take), and the step in backward steps each alone. Train with it as a "
+                         "plain optimizer (leave step_in_backward() out of the plan).")
