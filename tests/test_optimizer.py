@@ -421,14 +421,18 @@ def test_measure_steps_through_the_handle_shows_no_gradient_term_and_restores_th
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
-def test_the_trainer_trains_saves_and_resumes_with_the_handle(tmp_path):
+@pytest.mark.parametrize("state", ["device", "cpu"])
+def test_the_trainer_trains_saves_and_resumes_with_the_handle(tmp_path, state):
+    # resume_from_checkpoint loads the weights into the model after apply: the state on the CPU
+    # steps from them, not from the fresh model's.
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
 
     def model():
         torch.manual_seed(0)
         config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
-        return sw.apply(transformers.GPT2LMHeadModel(config), "step_in_backward(torch.optim.AdamW, options={'lr': 0.01})")
+        return sw.apply(transformers.GPT2LMHeadModel(config),
+                        f"step_in_backward(torch.optim.AdamW, options={{'lr': 0.01}}, state={state!r})")
 
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 100, (16, 16), generator=g)]

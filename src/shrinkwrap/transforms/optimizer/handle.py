@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import required
 
 from ... import _rewrite
 from .lowbit import LowBitAdamW, _is_fake
@@ -102,9 +103,10 @@ class _OnCpu:
         self.ready: torch.cuda.Event | None = None
 
     def take(self, weight: torch.Tensor) -> None:
-        """The master copy from the weight the model holds (``weight``: on the CPU, or ``seen``)."""
+        """The master copy from the weight the model holds (``weight``: what came down into the
+        master or ``seen``, or a CPU model's parameter)."""
         if self.seen is None:
-            if weight is not self.master:
+            if weight.data_ptr() != self.master.data_ptr():
                 self.master.detach().copy_(weight)
             return
         changed = weight != self.master.detach().to(weight.dtype)
@@ -279,7 +281,7 @@ class InBackward(torch.optim.Optimizer):
             raise ValueError("some parameters appear in more than one parameter group")
         group = {k: v for k, v in param_group.items() if k != "params"}
         for k, v in self.defaults.items():
-            if v is torch.optim.optimizer.required and k not in group:
+            if v is required and k not in group:
                 raise ValueError(f"parameter group didn't specify a value of required optimization parameter {k}")
             group.setdefault(k, v)
         self.param_groups.append({"params": [], **group})
@@ -626,7 +628,7 @@ class InBackward(torch.optim.Optimizer):
         on = self.cpu[name]
         grad = p.grad
         two, peak = norms([local(grad)])
-        weight = on.master.detach() if on.seen is None else on.seen
+        weight = on.master.detach() if on.seen is None else on.seen  # where the weight comes down
         if p.is_cuda:
             if self.streams is None:
                 self.streams = (torch.cuda.Stream(p.device), torch.cuda.Stream(p.device))
@@ -644,31 +646,30 @@ class InBackward(torch.optim.Optimizer):
             on.norms.copy_(torch.stack([two[0], peak[0]]))
             copied = up = None
         p.grad = stand_in(p, name, two[0], peak[0])
-        # The step holds the parameter weakly: a finished step's closure can outlive wait() for a
-        # moment in the worker, and must not keep a dropped model's weights.
-        ref = weakref.ref(p)
-        if self.worker is None:
-            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
+        # The step holds the parameter, its state and the handle weakly: a finished step's closure
+        # can outlive wait() for a moment in the worker, and must not keep a dropped model alive.
+        refs = weakref.ref(p), weakref.ref(on), weakref.ref(self)
+        options, lock = self._options(name), self.lock
 
         def step() -> None:
-            p = ref()
-            if p is None:
+            p, on, handle = (r() for r in refs)
+            if p is None or on is None or handle is None:
                 return
             if copied is not None:
                 copied.synchronize()
             finite = math.isfinite(float(on.norms[0])) or bool(torch.isfinite(on.grad).all())
-            with self.lock:
+            with lock:
                 if record.skipping:
                     return
             if not finite:
-                self._stop(record, name, worker=True)
+                handle._stop(record, name, worker=True)
                 return
-            on.take(weight if p.is_cuda else p.detach())
+            on.take(weight if p.is_cuda else p.detach())  # what came down, or the CPU model's own
             on.master.grad = on.grad
-            on.optimizer.param_groups[0].update(self._options(name))
+            on.optimizer.param_groups[0].update(options)
             on.optimizer.step()
             on.master.grad = None
-            with self.lock:
+            with lock:
                 record.stepped.append(name)
             with torch.no_grad():
                 if up is not None:
@@ -679,6 +680,8 @@ class InBackward(torch.optim.Optimizer):
                 else:
                     p.data.copy_(on.master)
 
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
         with self.lock:
             self.futures.append(self.worker.submit(step))
 

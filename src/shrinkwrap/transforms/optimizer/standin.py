@@ -21,7 +21,7 @@ def message(what: str, fix: str) -> str:
 
 
 _ACCUMULATE = ("a backward into gradients that no zero_grad() cleared (gradient accumulation over micro-batches, "
-               "or two losses' backwards)", "Sum the losses and call backward once a step, or train on the whole "
+               "two losses' backwards, a GAN's generator loss through the discriminator)", "Sum the losses and call backward once a step, or train on the whole "
                "batch at once (checkpointing frees the memory a larger batch needs)")
 
 
@@ -75,6 +75,9 @@ class Consumed(torch.Tensor):
             return Consumed(meta, first._sw_norm, first._sw_max, first._sw_name, first.device)
         if name == "detach_":  # nn.Module.zero_grad(set_to_none=False) detaches before zeroing
             return first
+        if name == "_to_copy":  # a model cast or moved with its gradients: their stand-ins follow it
+            like = torch.empty(first.shape, dtype=kwargs.get("dtype") or first.dtype, device="meta")
+            return Consumed(like, first._sw_norm, first._sw_max, first._sw_name, kwargs.get("device") or first.device)
         if name in ("zero_", "_foreach_zero_"):
             for t in mine:
                 t._sw_zero = True

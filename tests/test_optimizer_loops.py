@@ -1,0 +1,767 @@
+"""step_in_backward in the training loops fine-tuners write: each loop shape beside the plain loop
+(``loss.backward(); opt.step(); opt.zero_grad()``, AdamW with foreach off) on the same model, seed
+and data, float64 on the CPU: the weights and buffers bit for bit, with the state on the device and
+on the CPU. What cannot work raises a ``shrinkwrap:`` error naming what the loop did, before any
+parameter changed where that can be known in advance, else at once, naming what was stepped.
+The handle against torch's optimizer contract: schedulers of every kind, step hooks,
+``add_param_group``, ``state_dict`` both ways with a plain optimizer of the same class.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shrinkwrap as sw
+from toymodels import Net
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+OPTIONS = {"lr": 0.01, "weight_decay": 0.1}
+STATES = ["device", "cpu"]
+S = torch.optim.lr_scheduler
+
+
+def _batch(i: int = 0) -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+
+
+def _loss(model: nn.Module, i: int) -> torch.Tensor:
+    torch.manual_seed(100 + i)  # dropout, if any
+    return model(_batch(i)).square().mean()
+
+
+def plain_step(model, opt, i):
+    opt.zero_grad()
+    _loss(model, i).backward()
+    opt.step()
+
+
+def _steps(n: int, step: Callable = plain_step) -> Callable:
+    def loop(model, opt, sched=None):
+        for i in range(n):
+            step(model, opt, i)
+            if sched is not None:
+                sched.step() if not isinstance(sched, S.ReduceLROnPlateau) else sched.step(1.0 / (i + 1))
+    return loop
+
+
+def _pair(state: str, cls: type = torch.optim.AdamW, options: dict = OPTIONS, make: Callable = None,
+          plain: Callable = None) -> tuple:
+    """(the plain loop's model, its optimizer, the plan's model, its handle), alike at the start."""
+    torch.manual_seed(0)
+    ref = (make or (lambda: Net().double()))()
+    model = copy.deepcopy(ref)
+    foreach = {"foreach": False} if cls.__module__.startswith("torch.optim") else {}
+    opt_ref = plain(ref) if plain else cls(ref.parameters(), **foreach, **options)
+    sw.apply(model, sw.step_in_backward(cls, options, state=state))
+    return ref, opt_ref, model, sw.optimizer(model)
+
+
+def _same(a: nn.Module, b: nn.Module) -> None:
+    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), n
+
+
+def _beside(state: str, loop: Callable, **kw: Any) -> tuple:
+    ref, opt_ref, model, opt = _pair(state, **kw)
+    loop(ref, opt_ref)
+    loop(model, opt)
+    _same(ref, model)
+    return ref, opt_ref, model, opt
+
+
+# -- loop shapes that train exactly as the plain loop --------------------------------------------------
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),
+    "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda e: 0.8),
+    "StepLR": lambda o: S.StepLR(o, 2, gamma=0.5),
+    "MultiStepLR": lambda o: S.MultiStepLR(o, [1, 3], gamma=0.3),
+    "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=2),
+    "LinearLR": lambda o: S.LinearLR(o, start_factor=0.2, total_iters=3),
+    "ExponentialLR": lambda o: S.ExponentialLR(o, 0.7),
+    "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=4, power=2.0),
+    "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, 4),
+    "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, 2),
+    "CyclicLR": lambda o: S.CyclicLR(o, 0.001, 0.01, step_size_up=2),  # cycles betas: the class's defaults
+    "OneCycleLR": lambda o: S.OneCycleLR(o, 0.02, total_steps=10),  # cycles betas too
+    "SequentialLR": lambda o: S.SequentialLR(o, [S.ConstantLR(o, 0.5, 2), S.ExponentialLR(o, 0.8)], [2]),
+    "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, 0.5, 2), S.ExponentialLR(o, 0.8)]),
+    "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, patience=0, factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("state", STATES)
+def test_every_lr_scheduler_drives_the_handle_as_a_plain_optimizer(name, state):
+    ref, opt_ref, model, opt = _pair(state)
+    loop = _steps(5)
+    loop(ref, opt_ref, SCHEDULERS[name](opt_ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        loop(model, opt, SCHEDULERS[name](opt))
+    _same(ref, model)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in opt_ref.param_groups]
+
+
+def _resume_weights(state):
+    # Weights loaded after apply (a resume, pretrained weights): the step starts from them.
+    donor = Net().double()
+    _steps(2)(donor, torch.optim.SGD(donor.parameters(), lr=0.1))
+
+    def loop(model, opt):
+        _steps(1)(model, opt)
+        model.load_state_dict(donor.state_dict())
+        _steps(3)(model, opt)
+    return loop
+
+
+def _clamp_data(model, opt):  # WGAN's weight clipping, through .data
+    for i in range(4):
+        plain_step(model, opt, i)
+        for p in model.parameters():
+            p.data.clamp_(-0.05, 0.05)
+
+
+def _clamp_no_grad(model, opt):
+    for i in range(4):
+        plain_step(model, opt, i)
+        with torch.no_grad():
+            model.head.weight.mul_(0.5)
+
+
+def _unfreeze(model, opt):  # gradual unfreezing: the head first, then the rest
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.head.requires_grad_(True)
+    _steps(2)(model, opt)
+    model.layer3.requires_grad_(True)
+    _steps(2)(model, opt)
+    model.requires_grad_(True)
+    _steps(2)(model, opt)
+
+
+def _add_group(model, opt):  # torch's recipe: a new group for the layers unfrozen, its own lr
+    model.requires_grad_(False)
+    model.head.requires_grad_(True)
+    _steps(2)(model, opt)
+    model.layer3.requires_grad_(True)
+    opt.add_param_group({"params": list(model.layer3.parameters()), "lr": 0.001})
+    _steps(3)(model, opt)
+
+
+def _autocast(model, opt):
+    for i in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, i)
+        loss.float().backward()
+        opt.step()
+
+
+def _skip_bad_loss(model, opt):  # the usual guard: a non-finite loss skips the batch before backward
+    for i in range(4):
+        opt.zero_grad()
+        loss = _loss(model, i) * (float("nan") if i == 1 else 1.0)
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+        opt.step()
+
+
+def _skip_bad_grad(model, opt):  # the guard on the gradient norm after backward
+    for i in range(4):
+        opt.zero_grad()
+        (_loss(model, i) * (float("inf") if i == 2 else 1.0)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        if not torch.isfinite(norm):
+            opt.zero_grad()
+            continue
+        opt.step()
+
+
+def _clip_within(model, opt):
+    for i in range(3):
+        opt.zero_grad()
+        _loss(model, i).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e6)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6, norm_type=float("inf"))
+        opt.step()
+
+
+def _log_norms(model, opt):
+    norms = []
+    for i in range(3):
+        opt.zero_grad()
+        _loss(model, i).backward()
+        norms.append(sum(torch.linalg.vector_norm(p.grad).item() ** 2 for p in model.parameters()))
+        opt.step()
+    model.logged = norms  # compared below
+
+
+def _retain_two_losses(model, opt):  # two losses' backwards over one graph, one step
+    for i in range(3):
+        opt.zero_grad()
+        torch.manual_seed(100 + i)  # dropout
+        out = model(_batch(i))
+        out.square().mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+        opt.step()
+
+
+def _retain_one(model, opt):
+    for i in range(3):
+        opt.zero_grad()
+        _loss(model, i).backward(retain_graph=True)
+        opt.step()
+
+
+def _closure(model, opt):
+    for i in range(3):
+        def closure(i=i):
+            opt.zero_grad()
+            loss = _loss(model, i)
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+
+def _no_set_to_none(model, opt):
+    for i in range(3):
+        opt.zero_grad(set_to_none=False)
+        _loss(model, i).backward()
+        opt.step()
+
+
+def _module_zero_grad(model, opt):
+    for i in range(3):
+        model.zero_grad()
+        _loss(model, i).backward()
+        opt.step()
+
+
+def _to_double(model, opt):  # built in float32, cast after apply, before the first step
+    model.double()
+    _steps(3)(model, opt)
+
+
+def _eval_between(model, opt):  # validation between steps, in no_grad and eval
+    for i in range(3):
+        plain_step(model, opt, i)
+        model.eval()
+        with torch.no_grad():
+            model(_batch(9))
+        model.train()
+
+
+LOOPS = {
+    "zero_grad first": _steps(4),
+    "zero_grad last": _steps(4, lambda m, o, i: (_loss(m, i).backward(), o.step(), o.zero_grad())),
+    "weights loaded after apply": None,  # _resume_weights
+    "weight clamp through .data": _clamp_data,
+    "weight change under no_grad": _clamp_no_grad,
+    "gradual unfreezing": _unfreeze,
+    "add_param_group on unfreezing": _add_group,
+    "bf16 autocast": _autocast,
+    "a non-finite loss skipped": _skip_bad_loss,
+    "a non-finite gradient skipped": _skip_bad_grad,
+    "clipping within the limit": _clip_within,
+    "logging gradient norms": _log_norms,
+    "two losses, retain_graph, one step": _retain_two_losses,
+    "retain_graph, one loss": _retain_one,
+    "step(closure)": _closure,
+    "zero_grad(set_to_none=False)": _no_set_to_none,
+    "model.zero_grad()": _module_zero_grad,
+    "validation between steps": _eval_between,
+}
+
+
+@pytest.mark.parametrize("name", LOOPS)
+@pytest.mark.parametrize("state", STATES)
+def test_loop_shapes_train_as_the_plain_loop_bit_for_bit(name, state):
+    loop = LOOPS[name] or _resume_weights(state)
+    # torch's recipe builds its optimizer over what trains first; the handle's first group is the rest.
+    plain = (lambda m: torch.optim.AdamW(m.head.parameters(), foreach=False, **OPTIONS)) if "add_param" in name else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # retain_graph's: its gradients wait for step()
+        ref, _, model, _ = _beside(state, loop, plain=plain)
+    if name == "logging gradient norms":
+        assert ref.logged == model.logged
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_model_cast_after_apply_trains_as_one_cast_before(state):
+    _beside(state, _to_double, make=lambda: Net(), plain=lambda m: torch.optim.AdamW(
+        m.double().parameters(), foreach=False, **OPTIONS))
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_resumed_run_matches_the_uninterrupted_one_through_state_dict(state, tmp_path):
+    ref, opt_ref, model, opt = _pair(state)
+    _steps(5)(ref, opt_ref)
+    _steps(2)(model, opt)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    torch.manual_seed(1)
+    fresh = Net().double()  # other weights: the load must win
+    sw.apply(fresh, sw.step_in_backward(torch.optim.AdamW, OPTIONS, state=state))
+    saved = torch.load(tmp_path / "ckpt.pt")
+    fresh.load_state_dict(saved["model"])
+    sw.optimizer(fresh).load_state_dict(saved["opt"])
+    loop = _steps(5)
+    for i in range(2, 5):
+        plain_step(fresh, sw.optimizer(fresh), i)
+    _same(ref, fresh)
+
+
+@pytest.mark.parametrize("direction", ["handle to plain", "plain to handle"])
+@pytest.mark.parametrize("state", STATES)
+def test_state_dict_round_trips_with_a_plain_optimizer_of_the_class_both_ways(direction, state):
+    ref, opt_ref, model, opt = _pair(state)
+    _steps(2)(ref, opt_ref)
+    _steps(2)(model, opt)
+    if direction == "handle to plain":
+        sd = copy.deepcopy(opt.state_dict())
+        other = torch.optim.AdamW(ref.parameters(), foreach=False, **OPTIONS)
+        other.load_state_dict(sd)
+        assert other.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+        opt_ref = other
+    else:
+        opt.load_state_dict(copy.deepcopy(opt_ref.state_dict()))
+    for i in range(2, 5):
+        plain_step(ref, opt_ref, i)
+        plain_step(model, opt, i)
+    _same(ref, model)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_step_hooks_fire_and_an_ema_of_them_follows_the_plain_one(state):
+    ref, opt_ref, model, opt = _pair(state)
+    emas, calls = [], []
+    for m, o in ((ref, opt_ref), (model, opt)):
+        ema = copy.deepcopy(m).requires_grad_(False)
+        emas.append(ema)
+
+        def post(optimizer, args, kwargs, m=m, ema=ema):
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), m.parameters()):
+                    e.lerp_(p, 0.1)
+        o.register_step_post_hook(post)
+        o.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append(type(optimizer).__name__))
+        _steps(3)(m, o)
+    _same(ref, model)
+    _same(emas[0], emas[1])
+    assert calls == ["AdamW"] * 3 + ["InBackward"] * 3
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_the_handle_shows_the_plain_optimizer_s_groups_defaults_and_parameters(state):
+    _, opt_ref, model, opt = _pair(state, plain=lambda m: torch.optim.AdamW(m.parameters(), **OPTIONS))
+    assert opt.defaults == opt_ref.defaults  # betas too: CyclicLR and OneCycleLR read them
+    assert [p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters())] == [True] * len(
+        list(model.parameters()))
+    assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == {
+        k: v for k, v in opt_ref.param_groups[0].items() if k != "params"}
+    _steps(1)(model, opt)
+    assert set(map(id, opt.state)) == set(map(id, model.parameters()))
+
+
+class HandMadeSGD(torch.optim.Optimizer):
+    """A hand-written optimizer without foreach=, as most third-party ones are."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_hand_written_optimizer_class_without_foreach_steps_exactly(state):
+    _beside(state, _steps(3), cls=HandMadeSGD, options={"lr": 0.05})
+
+
+class _Embedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6, sparse=True)
+
+    def forward(self, x):
+        return self.emb((x.abs() * 5).long().clamp(0, 19)).mean((-1, -2, -3))[:, None]
+
+
+def test_sparse_adam_on_a_sparse_embedding_steps_exactly():
+    _beside("device", _steps(3), cls=torch.optim.SparseAdam, options={"lr": 0.01},
+            make=lambda: _Embedding().double(), plain=lambda m: torch.optim.SparseAdam(m.parameters(), lr=0.01))
+
+
+def test_sparse_gradients_with_the_state_on_the_cpu_are_refused_before_a_step():
+    _, _, model, opt = _pair("cpu", cls=torch.optim.SparseAdam, options={"lr": 0.01},
+                             make=lambda: _Embedding().double(),
+                             plain=lambda m: torch.optim.SparseAdam(m.parameters(), lr=0.01))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="sparse gradient.*state='device'"):
+        _loss(model, 0).backward()
+    _same_dict(before, model)
+
+
+def _same_dict(before: dict, model: nn.Module) -> None:
+    for k, v in before.items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_copies_pickles_and_averaged_models_train_like_the_original(state):
+    ref, opt_ref, model, opt = _pair(state)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model)),
+              torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)]
+    averaged = [torch.optim.swa_utils.AveragedModel(m) for m in (ref, model)]
+    _steps(3)(ref, opt_ref)
+    for m in [model, *copies]:
+        _steps(3)(m, sw.optimizer(m))
+        _same(ref, m)
+    for avg, m in zip(averaged, (ref, model)):
+        avg.update_parameters(m)
+    _same(averaged[0], averaged[1])
+    assert sw.optimizer(copies[0]) is not opt and not sw.optimizer(copies[0]).state or True
+
+
+def test_a_deepcopy_after_training_starts_from_fresh_state_and_keeps_the_groups():
+    _, _, model, opt = _pair("device")
+    _steps(2, )(model, opt)
+    opt.param_groups[0]["lr"] = 0.123
+    twin = copy.deepcopy(model)
+    handle = sw.optimizer(twin)
+    assert handle is not opt and not handle.state and handle.param_groups[0]["lr"] == 0.123
+    assert [id(p) for p in handle.param_groups[0]["params"]] == [id(p) for p in twin.parameters()]
+
+
+def test_peft_adapters_added_after_the_plan_are_stepped_as_the_plain_loop_steps_them():
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    base = transformers.GPT2LMHeadModel(config).double()
+    twin = copy.deepcopy(base)
+    sw.apply(twin, sw.step_in_backward(torch.optim.AdamW, OPTIONS))
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(base, lora)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(twin, lora)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), foreach=False, **OPTIONS), sw.optimizer(model)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m, o in ((ref, opt_ref), (model, opt)):
+        for i in range(3):
+            o.zero_grad()
+            torch.manual_seed(i)  # dropout
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    _same(ref, model)
+
+
+def test_a_gan_that_freezes_the_discriminator_for_the_generator_s_loss_trains_exactly():
+    def make():
+        return nn.ModuleDict({"g": nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
+                              "d": nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))}).double()
+
+    torch.manual_seed(0)
+    ref, model = make(), None
+    model = copy.deepcopy(ref)
+    opts_ref = [torch.optim.AdamW(ref[k].parameters(), foreach=False, **OPTIONS) for k in "gd"]
+    for k in "gd":
+        sw.apply(model[k], sw.step_in_backward(torch.optim.AdamW, OPTIONS))
+    opts = [sw.optimizer(model[k]) for k in "gd"]
+    for m, (g_opt, d_opt) in ((ref, opts_ref), (model, opts)):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            real, z = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g,
+                                                                                      dtype=torch.float64)
+            d_opt.zero_grad()
+            (m["d"](m["g"](z).detach()).mean() - m["d"](real).mean()).backward()
+            d_opt.step()
+            g_opt.zero_grad()
+            m["d"].requires_grad_(False)
+            (-m["d"](m["g"](z)).mean()).backward()
+            m["d"].requires_grad_(True)
+            g_opt.step()
+    _same(ref, model)
+
+
+# -- refused, and how ----------------------------------------------------------------------------------
+
+def _snapshot(model: nn.Module, opt: Any) -> tuple:
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+
+
+def _unchanged(model: nn.Module, opt: Any, snap: tuple) -> None:
+    """The parameters and optimizer state as in ``snap`` (a forward updates BatchNorm's statistics)."""
+    _same_dict({n: snap[0][n] for n, _ in model.named_parameters()}, model)
+    now = opt.state_dict()["state"]
+    assert now.keys() == snap[1].keys()
+    for i, s in snap[1].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(now[i][k])) for k, v in s.items())
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_grad_scaler_is_refused_at_its_first_call_before_any_parameter_changes(state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    snap = _snapshot(model, opt)
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"shrinkwrap: GradScaler\.scale\(\).*bfloat16"):
+        scaler.scale(_loss(model, 1))
+    _unchanged(model, opt, snap)
+    other = nn.Linear(3, 1).double()  # another model's loss is the scaler's to scale
+    scaler.scale(other(torch.randn(2, 3, dtype=torch.float64)).sum()).backward()
+    assert torch.amp.GradScaler("cpu", enabled=False).scale(_loss(model, 2)) is not None  # disabled: a no-op
+
+
+def test_a_float16_autocast_step_in_the_plan_is_refused():
+    with pytest.raises(sw.PlanError, match="GradScaler.*bfloat16"):
+        sw.Plan.parse("autocast(torch.float16), step_in_backward(torch.optim.AdamW)")
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """LAMB-style: each update scaled by the norm over every gradient of the step."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / total, alpha=-g["lr"])
+
+
+class NeedsClosure(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure):
+        closure()
+
+
+@pytest.mark.parametrize("cls, message", [
+    (torch.optim.LBFGS, "LBFGS evaluates the loss again"),
+    (GlobalNormSGD, "differs from its update of each alone"),
+    (NeedsClosure, "could not step two small tensors"),
+])
+def test_classes_that_cannot_step_a_parameter_at_a_time_are_refused_at_apply(cls, message):
+    model = Net().double()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=message):
+        sw.apply(model, sw.step_in_backward(cls, {"lr": 0.1}))
+    _same_dict(before, model)
+    assert not sw.records(model)
+
+
+def test_a_second_apply_with_other_options_is_refused_and_the_same_one_changes_nothing():
+    model = Net().double()
+    sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS))
+    opt = sw.optimizer(model)
+    sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS))
+    assert sw.optimizer(model) is opt
+    for other in (sw.step_in_backward(torch.optim.SGD, {"lr": 0.1}), sw.step_in_backward(torch.optim.AdamW),
+                  sw.step_in_backward(torch.optim.AdamW, OPTIONS, state="cpu")):
+        with pytest.raises(ValueError, match=r"steps in backward already as step_in_backward\(torch\.optim\.AdamW"):
+            sw.apply(model, other)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_accumulating_over_micro_batches_is_refused_at_the_second_forward(state):
+    _, _, model, opt = _pair(state)
+    opt.zero_grad()
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match=r"a training forward after a backward that no step\(\) followed.*"
+                                           r"accumulates"):
+        _loss(model, 1).backward()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_second_backward_into_uncleared_gradients_is_refused_naming_accumulation(state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    snap = _snapshot(model, opt)
+    with pytest.raises(RuntimeError, match=r"a backward into gradients that no zero_grad\(\) cleared"):
+        _loss(model, 1).backward()
+    _unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize("use, message", [
+    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-6), r"clip_grad_norm_ above its limit"),
+    (lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 1e-9), r"clip_grad_value_ below the largest"),
+    (lambda m: m.head.weight.grad.sum(), r"reading the gradient of 'head.weight'"),
+    (lambda m: m.head.weight.grad.div_(4), r"reading the gradient of 'head.weight'"),
+])
+def test_what_needs_the_gradient_s_values_is_refused_naming_what_the_loop_did(use, message):
+    _, _, model, opt = _pair("device")
+    opt.zero_grad()
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match=r"shrinkwrap: " + message + r".*steps inside backward"):
+        use(model)
+
+
+@pytest.mark.parametrize("clears", [False, True])
+def test_a_gan_whose_generator_loss_steps_the_discriminator_is_refused_naming_it(clears):
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4).double(), nn.Sequential(nn.Linear(4, 1)).double()
+    sw.apply(d, sw.step_in_backward(torch.optim.AdamW, OPTIONS))
+    d_opt, g_opt = sw.optimizer(d), torch.optim.AdamW(g.parameters())
+    z = torch.randn(8, 4, dtype=torch.float64)
+    d_opt.zero_grad()
+    d(g(z).detach()).mean().backward()
+    d_opt.step()
+    if not clears:  # D's stand-ins are there: the generator's backward cannot add to them
+        g_opt.zero_grad()
+        with pytest.raises(RuntimeError, match=r"a backward into gradients that no zero_grad\(\) cleared.*GAN"):
+            (-d(g(z)).mean()).backward()
+        return
+    d_opt.zero_grad()
+    g_opt.zero_grad()
+    (-d(g(z)).mean()).backward()  # D's gradients too: a plain loop discards them at D's zero_grad
+    g_opt.step()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward that no step\(\) followed.*'0\.weight'"
+                                           r".*GAN"):
+        d_opt.zero_grad()
+
+
+class _NaNBelow(torch.autograd.Function):
+    """Identity forward; a NaN gradient for what lies below it in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class _Split(Net):
+    def forward(self, x, nan=False):
+        x = self.layer2(self.layer1(self.stem(x)))
+        x = _NaNBelow.apply(x) if nan else x
+        return self.head(self.layer3(x).mean((2, 3)))
+
+
+def _buckets_of_one(monkeypatch):
+    import importlib
+
+    handle = importlib.import_module("shrinkwrap.transforms.optimizer.handle")
+    monkeypatch.setattr(handle, "_BUCKET", 1)
+    monkeypatch.setattr(handle, "_SHARE", 1)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_non_finite_gradient_after_some_were_stepped_raises_naming_them_and_is_never_stepped(state, monkeypatch):
+    _buckets_of_one(monkeypatch)
+    torch.manual_seed(0)
+    model = _Split().double()
+    sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS, state=state))
+    opt = sw.optimizer(model)
+    _steps(1)(model, opt)
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"non-finite gradient of 'layer2\..*after the optimizer had stepped "
+                                           r"'head\.bias'"):
+        model(_batch(1), nan=True).square().mean().backward()
+        opt.step()  # with the state on the CPU the worker's verdict comes here
+    now = model.state_dict()
+    assert not torch.equal(before["head.weight"], now["head.weight"])  # stepped before the NaN
+    assert all(torch.equal(before[k], now[k]) for k in before if k.startswith(("stem.", "layer1.", "layer2.")) and
+               "running" not in k and "num_batches" not in k)
+    assert all(torch.isfinite(v).all() for v in now.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_non_finite_backward_steps_nothing_and_step_after_it_raises(state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    snap = _snapshot(model, opt)
+    opt.zero_grad()
+    (_loss(model, 1) * float("nan")).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) after a backward whose gradient of .* was not finite"):
+        opt.step()
+    _unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_backward_that_raised_after_steps_is_reported_at_the_next_call_naming_them(state, monkeypatch):
+    _buckets_of_one(monkeypatch)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    class Model(_Split):
+        def forward(self, x, boom=False):
+            x = self.layer2(self.layer1(self.stem(x)))
+            return self.head(self.layer3(Boom.apply(x) if boom else x).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS, state=state))
+    opt = sw.optimizer(model)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="boom"):
+        model(_batch(0), boom=True).sum().backward()
+    with pytest.raises(RuntimeError, match=r"the last backward raised after the optimizer had stepped 'head\.bias'"):
+        opt.zero_grad()
+    opt.zero_grad()  # told once; the loop may go on
+    _steps(1)(model, opt)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_model_cast_after_training_began_is_refused_at_its_next_forward(state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    model.float()  # the gradients' stand-ins are cast with it
+    assert model.head.weight.grad.dtype == torch.float32
+    with pytest.raises(RuntimeError, match=r"moved from cpu torch.float64 to cpu torch.float32 after training began"):
+        _steps(1)(model, opt)
+
+
+def test_add_param_group_refuses_what_torch_refuses_and_a_tensor_outside_the_model():
+    _, _, model, opt = _pair("device")
+    opt.add_param_group({"params": model.head.weight, "lr": 0.5})
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model.head.weight]})
+    with pytest.raises(ValueError, match="not one of them"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters())) - 1, 1]
+
+
+def test_a_state_dict_of_other_groups_is_refused_naming_both_layouts():
+    _, _, model, opt = _pair("device")
+    other = torch.optim.AdamW([model.head.weight])
+    with pytest.raises(ValueError, match=r"groups of \[1\] parameters cannot load into this handle's groups of"):
+        opt.load_state_dict(other.state_dict())
