@@ -118,3 +118,29 @@ def test_low_bit_adamw_compiles_its_slice_update_on_cuda_to_the_eager_numbers_on
     for (a, b), w in zip(zip(*results), weights):
         assert torch.isclose(a, b, rtol=1e-5, atol=1e-6).float().mean() > 0.999
         assert (a - b).abs().max() < 0.05 and not torch.equal(a, w)  # it trained
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_weights_loaded_after_apply_are_what_the_cpu_state_steps_from_on_a_gpu(half):
+    # lr 0 and no decay: a step leaves the weight it started from, the model's own since the load
+    # (with bf16 weights, through the values that differ from the master copy's rounding).
+    plan = "half(torch.bfloat16), " if half else ""
+    model = sw.apply(mlp().cuda(), plan + "step_in_backward(torch.optim.AdamW, options={'lr': 0.0, "
+                                         "'weight_decay': 0.0}, state='cpu')")
+    opt = sw.optimizer(model)
+    x = torch.randn(64, 2048, device="cuda")
+    for load in (False, True):
+        if load:
+            torch.manual_seed(1)
+            model.load_state_dict({k: torch.randn_like(v) * 0.01 for k, v in model.state_dict().items()})
+        want = [p.detach().clone() for p in model.parameters()]
+        fetched = []
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+            fetched.append(opt.fetched)
+        assert all(torch.equal(a, b) for a, b in zip(want, model.parameters()))
+        # A bf16 weight comes down where it changed since its last step (the first, the load), only.
+        n = len(list(model.parameters())) if half else 0
+        assert fetched == ([n, n] if not load else [2 * n, 2 * n]), fetched

@@ -676,9 +676,25 @@ def _buckets_of_one(monkeypatch):
     monkeypatch.setattr(handle, "_SHARE", 1)
 
 
-@pytest.mark.parametrize("state", STATES)
+def _fused(monkeypatch):
+    """What a GPU's parameters step with (torch's fused kernel, checked on the device through its
+    found_inf), with torch's fused CPU kernel."""
+    import importlib
+
+    handle = importlib.import_module("shrinkwrap.transforms.optimizer.handle")
+    one = handle._one_optimizer
+    monkeypatch.setattr(handle, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
+
+
+KINDS = ["device", "cpu", "fused"]
+
+
+@pytest.mark.parametrize("state", KINDS)
 def test_a_non_finite_gradient_after_some_were_stepped_raises_naming_them_and_is_never_stepped(state, monkeypatch):
     _buckets_of_one(monkeypatch)
+    if state == "fused":
+        _fused(monkeypatch)
+        state = "device"
     torch.manual_seed(0)
     model = _Split().double()
     sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS, state=state))
@@ -697,8 +713,11 @@ def test_a_non_finite_gradient_after_some_were_stepped_raises_naming_them_and_is
     assert all(torch.isfinite(v).all() for v in now.values() if v.is_floating_point())
 
 
-@pytest.mark.parametrize("state", STATES)
-def test_a_non_finite_backward_steps_nothing_and_step_after_it_raises(state):
+@pytest.mark.parametrize("state", KINDS)
+def test_a_non_finite_backward_steps_nothing_and_step_after_it_raises(state, monkeypatch):
+    if state == "fused":
+        _fused(monkeypatch)
+        state = "device"
     _, _, model, opt = _pair(state)
     _steps(1)(model, opt)
     snap = _snapshot(model, opt)
@@ -765,3 +784,25 @@ def test_a_state_dict_of_other_groups_is_refused_naming_both_layouts():
     other = torch.optim.AdamW([model.head.weight])
     with pytest.raises(ValueError, match=r"groups of \[1\] parameters cannot load into this handle's groups of"):
         opt.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_weights_set_after_apply_are_what_the_cpu_state_steps_from(dtype):
+    # lr 0: each step leaves the weight it started from, which must be the one the model holds
+    # (a half model's master copy takes the values that differ from its rounding).
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    sw.apply(model, sw.step_in_backward(torch.optim.AdamW, {"lr": 0.0, "weight_decay": 0.0}, state="cpu"))
+    opt = sw.optimizer(model)
+    plain_step(model, opt, 0) if dtype == torch.float64 else None
+    donor = Net().to(dtype)
+    model.load_state_dict(donor.state_dict())
+    with torch.no_grad():
+        model.head.weight.clamp_(-0.01, 0.01)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for i in range(2):
+        opt.zero_grad()
+        model(_batch(i).to(dtype)).float().square().mean().backward()
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[n]), n

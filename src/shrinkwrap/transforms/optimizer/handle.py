@@ -78,15 +78,45 @@ def _one_optimizer(cls: type, p: torch.Tensor, options: dict, fused: bool) -> to
     return cls([p], **options)
 
 
+_PRINT = 4096  # values a block of a weight's fingerprint
+_PROBES: dict = {}
+
+
+def fingerprint(t: torch.Tensor) -> tuple | None:
+    """What tells, on the GPU and without a copy of ``t``, whether it changed: each block's sum of
+    bit patterns (exact, so any one value changed shows) and its product with a fixed vector (so
+    values moved within a block show). None where ``t`` is not contiguous: it is taken as changed."""
+    if not t.is_contiguous():
+        return None
+    flat = t.detach().reshape(-1)
+    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    n = flat.numel()
+    m = n - n % _PRINT
+    probe = _PROBES.get((t.dtype, t.device))
+    if probe is None:
+        probe = _PROBES[(t.dtype, t.device)] = torch.linspace(1.0, 2.0, _PRINT, dtype=t.dtype, device=t.device)
+    sums = [bits[:m].view(-1, _PRINT).sum(1, dtype=torch.int64), bits[m:].sum(dtype=torch.int64).reshape(1)]
+    mixed = [flat[:m].view(-1, _PRINT) @ probe, (flat[m:] * probe[: n - m]).sum().reshape(1)]
+    return torch.cat(sums), torch.cat(mixed)
+
+
+def _differs(now: tuple | None, then: tuple) -> torch.Tensor:
+    """Whether the fingerprints differ (or ``now`` is missing), a bool on the device."""
+    if now is None:
+        return torch.ones((), dtype=torch.bool, device=then[0].device)
+    return (now[0] != then[0]).any() | (now[1] != then[1]).any()
+
+
 class _OnCpu:
     """One parameter's optimizer stepped on the CPU: its copy (float32 where the parameter is
     half: the master copy), gradient buffer and norms in pinned memory (plain memory where there
     is no CUDA), the optimizer over the copy.
 
-    The weight comes down with its gradient every step, so that the step starts from what the
-    model holds (a ``load_state_dict``, a clamp, a resume since): a float32 weight is stepped as it
-    came; of a half weight, the values that differ from the master copy's rounding replace the
-    master's. For a GPU's parameter the CPU optimizer is torch's fused one where its class has one
+    The step starts from what the model holds (a ``load_state_dict``, a clamp through ``.data``,
+    a resume since): a float32 weight comes down with its gradient into the copy the step takes.
+    A half weight comes down where its :func:`fingerprint` differs from the one its last step
+    wrote (the master copy holds more than the weight), and its values that differ from the
+    master's rounding replace the master's. For a GPU's parameter the CPU optimizer is torch's fused one where its class has one
     (AdamW, Adam, SGD, Adagrad): one pass over the values instead of one an operation. A CPU
     model's parameters keep the single-tensor path, and with it the plain loop's bits."""
 
@@ -99,6 +129,7 @@ class _OnCpu:
         self.seen = None if dtype == p.dtype else torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
         self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
         self.norms = torch.empty(2, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
+        self.written: tuple | None = None  # the fingerprint of the weight as the last step wrote it
         self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
         self.ready: torch.cuda.Event | None = None
 
@@ -122,6 +153,10 @@ class _Backward:
     tracked: bool
     stepped: list = dataclasses.field(default_factory=list)
     skipping: bool = False
+    # Fused steps check on the device (their found_inf skips the update) and are read at the end
+    # of backward in one synchronisation: (where in ``stepped`` the step began, its names, a flag).
+    checks: list = dataclasses.field(default_factory=list)
+    found: torch.Tensor | None = None  # any fused step's gradient not finite: the later ones skip
 
 
 def _signature(p: torch.Tensor) -> tuple:
@@ -161,7 +196,9 @@ class InBackward(torch.optim.Optimizer):
         self.cpu: dict[str, _OnCpu] = {}
         self.futures: list[concurrent.futures.Future] = []
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self.streams: tuple | None = None
+        self.streams: tuple | None = None  # the gradients' copies down, the weights' up
+        self.check: torch.cuda.Stream | None = None  # weights the CPU steps fetch, changed since
+        self.changes: tuple | None = None  # which changed, as _mark_changes found at the forward
         self.lock = threading.Lock()
         self.model: Any = lambda: None  # a weak reference to the model, set by the step
         # Gradients waiting to be stepped together (see _later), and the optimizers that step a
@@ -174,6 +211,7 @@ class InBackward(torch.optim.Optimizer):
         self.unconfirmed: list[_Backward] = []  # the backwards that stepped since the last step()
         self.skipped: str | None = None  # the non-finite gradient that stopped the last backward's steps
         self.retained = False  # warned that a backward keeping its graph keeps its gradients
+        self.fetched = 0  # weights the CPU steps took from the GPU, changed since their last step
         _LIVE.add(self)
         _guard_grad_scaler()
 
@@ -518,9 +556,28 @@ class InBackward(torch.optim.Optimizer):
     def _end(self) -> None:
         self._step_waiting()
         with self.lock:
-            record, self.backward = self.backward, None
+            record = self.backward
+        if record is not None:
+            self._read_checks(record)
+        with self.lock:
+            self.backward = None
         if record is not None:
             self.unconfirmed.append(record)
+
+    def _read_checks(self, record: _Backward) -> None:
+        """The fused steps' checks, read at once: from the first whose gradients were not finite
+        on, nothing was stepped (their found_inf skipped them); raise if some were before."""
+        if not record.checks:
+            return
+        checks, record.checks, record.found = record.checks, [], None
+        flags = torch.stack([flag for _, _, flag in checks]).tolist()
+        first = next((i for i, bad in enumerate(flags) if bad), None)
+        if first is None:
+            return
+        start, names, _ = checks[first]
+        del record.stepped[start:]
+        bad = next((n for n in names if not math.isfinite(float(local(self.params[n].grad)._sw_norm))), names[0])
+        self._stop(record, bad)
 
     def _step(self, names: list[str], params: list[torch.Tensor], record: _Backward) -> None:
         """Step ``params`` (a bucket, or one), unless a gradient is not finite, and leave their
@@ -528,13 +585,23 @@ class InBackward(torch.optim.Optimizer):
         stepped yet, nothing is (the loop may skip the batch with zero_grad()); else it raises now,
         naming what was."""
         two, peak = norms([local(p.grad) for p in params])
-        if record.skipping or not self._finite(names, params, two, record):
+        kinds = self._kinds(names)
+        # A fused step checks on the device, no synchronisation (see _read_checks); another, here.
+        on_device = record.tracked and not _is_fake(two[0]) and all(how[1] for _, how in kinds)
+        if not on_device:
+            self._read_checks(record)
+        if record.skipping or not (on_device or self._finite(names, params, two, record)):
             for n, p, a, b in zip(names, params, two, peak):
                 p.grad = stand_in(p, n, a, b)
             return
-        for key, members in self._kinds(names).items():
+        if on_device:
+            bad = torch.isfinite(torch.stack([t.to(two[0].dtype) for t in two])).all().logical_not()
+            record.checks.append((len(record.stepped), names, bad))
+            record.found = bad.float() if record.found is None else torch.maximum(record.found, bad.float())
+        for members in kinds.values():
             opt = self._together(tuple(members)) if len(members) > 1 else self.optimizers[members[0]]
             opt.param_groups[0].update(self._options(members[0]))
+            opt.found_inf = record.found if on_device else None  # read by torch's fused step
             opt.step()
         for n, p, a, b in zip(names, params, two, peak):
             p.grad = stand_in(p, n, a, b)
@@ -572,7 +639,8 @@ class InBackward(torch.optim.Optimizer):
             "bad batches, check the loss before backward.")
 
     def _kinds(self, names: list[str]) -> dict:
-        """``names`` by what they step with: their group, and how their optimizers step."""
+        """``names`` by what they step with: their group, and how their optimizers step
+        (``(group, (foreach, fused))``)."""
         kinds: dict = {}
         for n in names:
             own = self.optimizers[n].param_groups[0]
@@ -636,7 +704,8 @@ class InBackward(torch.optim.Optimizer):
             down.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(down):
                 on.grad.copy_(grad, non_blocking=True)
-                weight.copy_(p.detach(), non_blocking=True)
+                if on.seen is None:  # a float32 weight comes down with its gradient, into the master
+                    weight.copy_(p.detach(), non_blocking=True)
                 on.norms.copy_(torch.stack([two[0], peak[0]]), non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(down)
@@ -664,7 +733,18 @@ class InBackward(torch.optim.Optimizer):
             if not finite:
                 handle._stop(record, name, worker=True)
                 return
-            on.take(weight if p.is_cuda else p.detach())  # what came down, or the CPU model's own
+            if up is None:
+                on.take(p.detach())  # a CPU model's own weight
+            elif on.seen is not None:  # a half weight: fetched where it changed since its step
+                changed = handle._changed(name)
+                if changed:
+                    # A stream of its own, that waits for no other parameter's copy up. After
+                    # copied, the model's changes to the weight are done.
+                    with torch.cuda.stream(handle._check_stream(p.device)):
+                        weight.copy_(p.detach(), non_blocking=True)
+                        torch.cuda.current_stream().synchronize()
+                    handle.fetched += 1
+                    on.take(weight)
             on.master.grad = on.grad
             on.optimizer.param_groups[0].update(options)
             on.optimizer.step()
@@ -675,6 +755,8 @@ class InBackward(torch.optim.Optimizer):
                 if up is not None:
                     with torch.cuda.stream(up):
                         p.data.copy_(on.master, non_blocking=True)
+                        if on.seen is not None:
+                            on.written = fingerprint(p)
                         on.ready = torch.cuda.Event()
                         on.ready.record(up)
                 else:
@@ -684,6 +766,34 @@ class InBackward(torch.optim.Optimizer):
             self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
         with self.lock:
             self.futures.append(self.worker.submit(step))
+
+    def _mark_changes(self) -> None:
+        """At a training forward, which weights stepped on the CPU changed since their step wrote
+        them: their fingerprints compared on the GPU, the flags copied down without waiting (read
+        by the CPU steps in backward, long after)."""
+        names = [n for n, on in self.cpu.items() if on.written is not None and self.params[n].is_cuda]
+        self.changes = None
+        if not names:
+            return
+        flags = torch.stack([_differs(fingerprint(self.params[n]), self.cpu[n].written) for n in names])
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.changes = ({n: i for i, n in enumerate(names)}, host, done)
+
+    def _changed(self, name: str) -> bool:
+        """Whether ``name``'s weight changed since its last CPU step wrote it (see _mark_changes)."""
+        if self.changes is None or name not in self.changes[0]:
+            return True
+        at, host, done = self.changes
+        done.synchronize()
+        return bool(host[at[name]])
+
+    def _check_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self.check is None:
+            self.check = torch.cuda.Stream(device)
+        return self.check
 
     # -- between backwards -----------------------------------------------------------------------------
     def wait(self) -> None:
@@ -709,6 +819,7 @@ class InBackward(torch.optim.Optimizer):
             if record is None:
                 return
             self.backward, self.waiting, self.waiting_bytes = None, {}, 0
+        self._read_checks(record)
         if record.tracked and record.stepped:
             stepped, self.unconfirmed = self._stepped() + record.stepped, []
             raise RuntimeError(
@@ -742,6 +853,8 @@ class InBackward(torch.optim.Optimizer):
                 self.model = weakref.ref(module)
             self._confirmed("a training forward")
             self.bind(module)
+            if self.on_cpu and torch.cuda.is_available():
+                self._mark_changes()
             for p in self.params.values():
                 if isinstance(p.grad, Consumed) and p.grad.zeroed:
                     p.grad = None
