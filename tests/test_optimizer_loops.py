@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import shrinkwrap as sw
-from toymodels import Net
+from toymodels import Net, below
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = {"lr": 0.01, "weight_decay": 0.1}
@@ -649,22 +649,14 @@ def test_a_gan_whose_generator_loss_steps_the_discriminator_is_refused_naming_it
         d_opt.zero_grad()
 
 
-class _NaNBelow(torch.autograd.Function):
-    """Identity forward; a NaN gradient for what lies below it in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan")
+def _boom(g):
+    raise RuntimeError("boom")
 
 
 class _Split(Net):
     def forward(self, x, nan=False):
         x = self.layer2(self.layer1(self.stem(x)))
-        x = _NaNBelow.apply(x) if nan else x
+        x = below(lambda g: g * float("nan"))(x) if nan else x
         return self.head(self.layer3(x).mean((2, 3)))
 
 
@@ -732,19 +724,10 @@ def test_a_non_finite_backward_steps_nothing_and_step_after_it_raises(state, mon
 def test_a_backward_that_raised_after_steps_is_reported_at_the_next_call_naming_them(state, monkeypatch):
     _buckets_of_one(monkeypatch)
 
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("boom")
-
     class Model(_Split):
         def forward(self, x, boom=False):
             x = self.layer2(self.layer1(self.stem(x)))
-            return self.head(self.layer3(Boom.apply(x) if boom else x).mean((2, 3)))
+            return self.head(self.layer3(below(_boom)(x) if boom else x).mean((2, 3)))
 
     torch.manual_seed(0)
     model = Model().double()
