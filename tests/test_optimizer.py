@@ -149,9 +149,9 @@ def test_a_parameter_bound_again_steps_as_its_new_optimizer_does_in_the_group_a_
     new = opt.optimizers["weight"]
     assert new.param_groups[0] is group and group["params"] == [shard]
     assert not group["fused"] and group["foreach"] is False
+    opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == OPTIONS["lr"] * 0.5
-    opt.step()
     opt.zero_grad()
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     assert new.param_groups[0]["lr"] == OPTIONS["lr"] * 0.5  # the group's, as the step read it

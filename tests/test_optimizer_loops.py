@@ -789,3 +789,142 @@ def test_weights_set_after_apply_are_what_the_cpu_state_steps_from(dtype):
         opt.step()
     for n, p in model.named_parameters():
         assert torch.equal(p, want[n]), n
+
+
+def _nan_head_at(i_bad):
+    """A loop whose batch ``i_bad`` gives the head alone NaN gradients (the first the step meets),
+    guarded on clip_grad_norm_'s total: the other gradients' stand-ins are clipped by a NaN
+    factor, which changes nothing the step used."""
+    def loop(model, opt):
+        for i in range(4):
+            opt.zero_grad()
+            hooks = [p.register_hook(lambda g: g * float("nan")) for p in model.head.parameters()] if i == i_bad else []
+            _loss(model, i).backward()
+            for hook in hooks:
+                hook.remove()
+            if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)):
+                opt.zero_grad()
+                continue
+            opt.step()
+    return loop
+
+
+@pytest.mark.parametrize("state", KINDS)
+def test_a_guard_on_the_total_norm_skips_a_batch_with_one_gradient_not_finite(state, monkeypatch):
+    fused = state == "fused"
+    if fused:
+        _fused(monkeypatch)
+        state = "device"
+    _beside(state, _nan_head_at(1), plain=lambda m: torch.optim.AdamW(
+        m.parameters(), foreach=False, fused=fused or None, **OPTIONS))
+
+
+def test_a_skipped_first_batch_leaves_no_state_behind_with_fused_sgd(monkeypatch):
+    # torch's fused SGD makes its momentum buffers with empty_like, then found_inf skips the kernel.
+    _fused(monkeypatch)
+    options = {"lr": 0.05, "momentum": 0.9}
+    _beside("device", _nan_head_at(0), cls=torch.optim.SGD, options=options,
+            plain=lambda m: torch.optim.SGD(m.parameters(), fused=True, **options))
+
+
+@pytest.mark.parametrize("state", KINDS)
+def test_finite_gradients_too_large_for_a_float32_norm_are_stepped(state, monkeypatch):
+    # Their 2-norm overflows float32; their largest magnitude, which decides, does not.
+    fused = state == "fused"
+    if fused:
+        _fused(monkeypatch)
+        state = "device"
+    def big(model, opt):
+        for i in range(3):
+            opt.zero_grad()
+            torch.manual_seed(100 + i)  # dropout
+            (model(_batch(i).float()).square().mean() * 1e25).backward()
+            opt.step()
+    _beside(state, big, make=lambda: Net(), plain=lambda m: torch.optim.AdamW(
+        m.parameters(), foreach=False, fused=fused or None, **OPTIONS))
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_non_finite_gradient_kept_for_step_by_retain_graph_is_never_stepped(state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    snap = _snapshot(model, opt)
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (_loss(model, 1) * float("nan")).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"step\(\) after a backward whose gradient of .* was not finite"):
+        opt.step()
+    _unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize("where", ["a step pre-hook", "the loop"])
+@pytest.mark.parametrize("state", STATES)
+def test_options_changed_between_backward_and_step_are_refused(where, state):
+    _, _, model, opt = _pair(state)
+    _steps(1)(model, opt)
+    if where == "a step pre-hook":  # a warmup in a hook: a plain optimizer steps this batch with it
+        opt.register_step_pre_hook(lambda o, args, kwargs: o.param_groups[0].__setitem__("lr", 0.5))
+    opt.zero_grad()
+    _loss(model, 1).backward()
+    if where == "the loop":
+        opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match=r"lr of param group 0 changed after backward and before step\(\)"):
+        opt.step()
+
+
+class _StopGradient(nn.Module):
+    """``w`` used directly, and read through ``w.detach()`` by a node that runs after ``w``'s own
+    gradient arrived (a target branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return ((x @ self.v) @ self.w.detach()).sum() + (x @ self.w).square().sum()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_weight_a_later_node_reads_after_its_step_raises_as_on_the_device(state, monkeypatch):
+    _buckets_of_one(monkeypatch)
+    torch.manual_seed(0)
+    model = _StopGradient().double()
+    sw.apply(model, sw.step_in_backward(torch.optim.SGD, {"lr": 0.1}, state=state))
+    opt = sw.optimizer(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(4, 6, dtype=torch.float64)).backward()
+        opt.step()
+
+
+def test_the_state_on_the_cpu_refuses_fsdp2_shards_naming_the_parameter():
+    from shrinkwrap.transforms.optimizer.handle import InBackward
+
+    class Shard(nn.Parameter):  # what bind() reads of a DTensor: its local tensor
+        pass
+
+    model = nn.Linear(3, 2).double()
+    model.weight = Shard(model.weight.detach())
+    model.weight._local_tensor = model.weight.detach()
+    handle = InBackward(torch.optim.AdamW, {}, on_cpu=True)
+    with pytest.raises(RuntimeError, match=r"state='cpu'\) does not take FSDP2's sharded parameters \('weight'\)"):
+        handle.bind(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_weight_s_fingerprint_shows_a_value_changed_and_rows_moved(dtype):
+    from shrinkwrap.transforms.optimizer.handle import _differs, fingerprint
+
+    w = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    then = fingerprint(w)
+    assert not bool(_differs(fingerprint(w.clone()), then, w.device))
+    changes = [lambda t: t.view(-1)[7].add_(t.view(-1)[7].abs() * 2 ** -6 + 1e-3),  # one value, a little
+               lambda t: t.view(-1)[-3:].zero_(),  # in the last, partial block
+               lambda t: t.__setitem__([0, 1], t[[1, 0]].clone())]  # rows swapped
+    if dtype == torch.float32:  # two values swapped within a block: bf16's product is too coarse to show it
+        changes.append(lambda t: t.view(-1)[:2].copy_(t.view(-1)[:2].flip(0).clone()))
+    for change in changes:
+        moved = w.clone()
+        change(moved)
+        assert not torch.equal(moved, w) and bool(_differs(fingerprint(moved), then, w.device))
+    assert fingerprint(w.t()) is None and bool(_differs(None, then, w.device))

@@ -41,6 +41,30 @@ _TOGETHER = 64  # bucket optimizers kept (buckets differ where a forward leaves 
 _HOW = ("foreach", "fused")  # the group options that say how an optimizer steps, not what it computes
 
 _LIVE: "weakref.WeakSet[InBackward]" = weakref.WeakSet()  # the handles alive, for the GradScaler guard
+# The classes whose fused step skips itself where ``found_inf`` is set (as GradScaler has it).
+_FOUND_INF = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def _count_change(p: torch.Tensor) -> None:
+    """Count the CPU step's coming write in ``p``'s version now, before the worker makes it: a node
+    later in this backward that needs the weight as it was raises torch's error, as it does where
+    the step runs on the device (whose in-place update counts)."""
+    set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if set_version is not None:
+        set_version((p,), (p._version + 1,))
+
+
+def _unstepped(grad: Any) -> None:
+    """Mark a stand-in as a gradient the step did not apply (a backward stopped at a non-finite one)."""
+    grad = local(grad) if grad is not None else None
+    if isinstance(grad, Consumed):
+        grad._sw_stepped = False
+
+
+def _not_finite(grad: Any) -> bool:
+    """Whether a stand-in's gradient was not finite (its largest magnitude); False for none."""
+    grad = local(grad) if grad is not None else None
+    return isinstance(grad, Consumed) and not math.isfinite(float(grad._sw_max))
 
 
 def _compiled_autograd() -> bool:
@@ -100,10 +124,10 @@ def fingerprint(t: torch.Tensor) -> tuple | None:
     return torch.cat(sums), torch.cat(mixed)
 
 
-def _differs(now: tuple | None, then: tuple) -> torch.Tensor:
-    """Whether the fingerprints differ (or ``now`` is missing), a bool on the device."""
-    if now is None:
-        return torch.ones((), dtype=torch.bool, device=then[0].device)
+def _differs(now: tuple | None, then: tuple | None, device: torch.device) -> torch.Tensor:
+    """Whether the fingerprints differ (or either is missing), a bool on ``device``."""
+    if now is None or then is None:
+        return torch.ones((), dtype=torch.bool, device=device)
     return (now[0] != then[0]).any() | (now[1] != then[1]).any()
 
 
@@ -116,8 +140,9 @@ class _OnCpu:
     a resume since): a float32 weight comes down with its gradient into the copy the step takes.
     A half weight comes down where its :func:`fingerprint` differs from the one its last step
     wrote (the master copy holds more than the weight), and its values that differ from the
-    master's rounding replace the master's. For a GPU's parameter the CPU optimizer is torch's fused one where its class has one
-    (AdamW, Adam, SGD, Adagrad): one pass over the values instead of one an operation. A CPU
+    master's rounding replace the master's. For a GPU's parameter the CPU optimizer is torch's
+    fused one where its class has one (AdamW, Adam, SGD, Adagrad): one pass over the values
+    instead of one an operation. A CPU
     model's parameters keep the single-tensor path, and with it the plain loop's bits."""
 
     def __init__(self, p: torch.Tensor, cls: type, options: dict) -> None:
@@ -128,7 +153,8 @@ class _OnCpu:
         self.master.requires_grad_(True)
         self.seen = None if dtype == p.dtype else torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
         self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
-        self.norms = torch.empty(2, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
+        # The gradient's 2-norm and largest magnitude, and whether a half weight changed since its step.
+        self.norms = torch.empty(3, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
         self.written: tuple | None = None  # the fingerprint of the weight as the last step wrote it
         self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
         self.ready: torch.cuda.Event | None = None
@@ -156,7 +182,15 @@ class _Backward:
     # Fused steps check on the device (their found_inf skips the update) and are read at the end
     # of backward in one synchronisation: (where in ``stepped`` the step began, its names, a flag).
     checks: list = dataclasses.field(default_factory=list)
-    found: torch.Tensor | None = None  # any fused step's gradient not finite: the later ones skip
+    found: dict = dataclasses.field(default_factory=dict)  # a device's flag: the later fused steps skip
+    used: dict = dataclasses.field(default_factory=dict)  # each group's options as its steps read them
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Option values equal: tensors the same object, anything else by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return bool(a == b)
 
 
 def _signature(p: torch.Tensor) -> tuple:
@@ -196,9 +230,7 @@ class InBackward(torch.optim.Optimizer):
         self.cpu: dict[str, _OnCpu] = {}
         self.futures: list[concurrent.futures.Future] = []
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self.streams: tuple | None = None  # the gradients' copies down, the weights' up
-        self.check: torch.cuda.Stream | None = None  # weights the CPU steps fetch, changed since
-        self.changes: tuple | None = None  # which changed, as _mark_changes found at the forward
+        self.streams: dict = {}  # a device's streams for the CPU steps (see _streams)
         self.lock = threading.Lock()
         self.model: Any = lambda: None  # a weak reference to the model, set by the step
         # Gradients waiting to be stepped together (see _later), and the optimizers that step a
@@ -262,24 +294,31 @@ class InBackward(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._settle()
-        if self.skipped is not None:
-            name, self.skipped = self.skipped, None
-            raise RuntimeError(
-                f"shrinkwrap: step() after a backward whose gradient of {name!r} was not finite: this model's "
-                "optimizer steps inside backward (step_in_backward()), and stepped none of that backward's "
-                "gradients (a plain optimizer would write NaN into the weights). Skip such a batch with "
-                "zero_grad() instead of step() (a guard on the loss, or on what clip_grad_norm_ returns).")
+        self._raise_skipped()
+        self._check_options()
         self._rebind()
-        late = _Backward(tracked=False)
+        late = _Backward(tracked=True)
         for n, p in self.params.items():
             if n in self.optimizers and p.grad is not None and not is_stand_in(p.grad):
                 if self.on_cpu:
                     self._to_cpu(n, p, late)
                 else:
                     self._step([n], [p], late)
+        self._read_checks(late)
         self.wait()
         self.unconfirmed = []
+        self._raise_skipped()
         return loss
+
+    def _raise_skipped(self) -> None:
+        if self.skipped is None:
+            return
+        name, self.skipped = self.skipped, None
+        raise RuntimeError(
+            f"shrinkwrap: step() after a backward whose gradient of {name!r} was not finite: this model's "
+            "optimizer steps inside backward (step_in_backward()), and stepped none of that backward's "
+            "gradients (a plain optimizer would write NaN into the weights). Skip such a batch with "
+            "zero_grad() instead of step() (a guard on the loss, or on what clip_grad_norm_ returns).")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the stand-ins backward left in ``.grad`` (``set_to_none=False``: zero gradients'
@@ -408,13 +447,32 @@ class InBackward(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             group["params"] = [self.params[n] for n in self._members(g)]
 
-    def _options(self, n: str) -> dict:
+    def _options(self, n: str, record: _Backward | None = None) -> dict:
         """What ``n`` steps with: its group's options (a scheduler's learning rate), and how its
-        own optimizer steps (``_HOW``)."""
-        group = self.param_groups[self.group_of.get(n, 0)]
+        own optimizer steps (``_HOW``); kept in ``record`` as the backward read them."""
+        g = self.group_of.get(n, 0)
+        options = {k: v for k, v in self.param_groups[g].items() if k != "params" and k not in _HOW}
+        if record is not None:
+            record.used.setdefault(g, options)
         own = self.optimizers[n].param_groups[0]
-        return {**{k: v for k, v in group.items() if k != "params" and k not in _HOW},
-                **{k: own[k] for k in _HOW if k in own}}
+        return {**options, **{k: own[k] for k in _HOW if k in own}}
+
+    def _check_options(self) -> None:
+        """Raise where a group's options changed between the backward that read them and
+        ``step()`` (a step pre-hook, a learning rate set after backward): a plain optimizer would
+        step this batch with the new ones."""
+        for record in self.unconfirmed:
+            for g, used in record.used.items():
+                now = self.param_groups[g] if g < len(self.param_groups) else {}
+                changed = [k for k, v in used.items() if not (now.get(k) is v or _equal(now.get(k), v))]
+                if changed:
+                    self.unconfirmed = []
+                    raise RuntimeError(
+                        f"shrinkwrap: {', '.join(changed)} of param group {g} changed after backward and before "
+                        "step() (a step pre-hook, or set between them): this model's optimizer steps inside "
+                        "backward (step_in_backward()), which stepped with the values before. Set them before "
+                        "backward (a scheduler's step() after the optimizer's does), or leave step_in_backward() "
+                        "out of the plan (shrinkwrap.revert(model)).")
 
     # -- binding parameters ------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
@@ -461,6 +519,9 @@ class InBackward(torch.optim.Optimizer):
                                "handle's state_dict() again after.")
         if n in self.hooks:
             self.hooks.pop(n).remove()
+        if self.on_cpu and getattr(p, "_local_tensor", None) is not None:
+            raise RuntimeError(f"shrinkwrap: step_in_backward(state='cpu') does not take FSDP2's sharded parameters "
+                               f"({n!r}); use state='device', whose step takes each rank's shard")
         on = _OnCpu(p, self.cls, self.options) if self.on_cpu else None
         # A DTensor (FSDP2's shard) keeps the single-tensor step: torch's fused kernels are
         # not among the operations DTensor shards in every version.
@@ -566,58 +627,71 @@ class InBackward(torch.optim.Optimizer):
 
     def _read_checks(self, record: _Backward) -> None:
         """The fused steps' checks, read at once: from the first whose gradients were not finite
-        on, nothing was stepped (their found_inf skipped them); raise if some were before."""
+        on, nothing was stepped (their found_inf skipped them, and the state a first step made for
+        them is dropped: fused SGD leaves its momentum buffers unset); raise if some were before."""
         if not record.checks:
             return
-        checks, record.checks, record.found = record.checks, [], None
-        flags = torch.stack([flag for _, _, flag in checks]).tolist()
-        first = next((i for i, bad in enumerate(flags) if bad), None)
+        checks, record.checks, record.found = record.checks, [], {}
+        first = next((i for i, (_, _, _, flag) in enumerate(checks) if bool(flag)), None)
         if first is None:
             return
-        start, names, _ = checks[first]
+        for _, members, fresh, _ in checks[first:]:
+            for n in fresh:
+                self.optimizers[n].state[self.params[n]].clear()
+            for n in members:
+                _unstepped(self.params[n].grad)
+        start, names, _, _ = checks[first]
         del record.stepped[start:]
-        bad = next((n for n in names if not math.isfinite(float(local(self.params[n].grad)._sw_norm))), names[0])
-        self._stop(record, bad)
+        self._stop(record, next((n for n in names if _not_finite(self.params[n].grad)), names[0]))
 
     def _step(self, names: list[str], params: list[torch.Tensor], record: _Backward) -> None:
         """Step ``params`` (a bucket, or one), unless a gradient is not finite, and leave their
         stand-ins. A non-finite gradient is never stepped: where nothing of this backward was
         stepped yet, nothing is (the loop may skip the batch with zero_grad()); else it raises now,
-        naming what was."""
+        naming what was. A gradient is finite where its largest magnitude is (no norm to overflow)."""
         two, peak = norms([local(p.grad) for p in params])
         kinds = self._kinds(names)
-        # A fused step checks on the device, no synchronisation (see _read_checks); another, here.
-        on_device = record.tracked and not _is_fake(two[0]) and all(how[1] for _, how in kinds)
+        # torch's fused steps check on the device, no synchronisation (see _read_checks); another, here.
+        on_device = (record.tracked and not _is_fake(two[0]) and self.cls in _FOUND_INF
+                     and all(how[1] for _, how, _ in kinds))
         if not on_device:
             self._read_checks(record)
-        if record.skipping or not (on_device or self._finite(names, params, two, record)):
+        if record.skipping or not (on_device or self._finite(names, params, peak, record)):
             for n, p, a, b in zip(names, params, two, peak):
-                p.grad = stand_in(p, n, a, b)
+                p.grad = stand_in(p, n, a, b, stepped=False)
             return
-        if on_device:
-            bad = torch.isfinite(torch.stack([t.to(two[0].dtype) for t in two])).all().logical_not()
-            record.checks.append((len(record.stepped), names, bad))
-            record.found = bad.float() if record.found is None else torch.maximum(record.found, bad.float())
-        for members in kinds.values():
+        at = {n: i for i, n in enumerate(names)}
+        for (group, _, device), members in kinds.items():
             opt = self._together(tuple(members)) if len(members) > 1 else self.optimizers[members[0]]
-            opt.param_groups[0].update(self._options(members[0]))
-            opt.found_inf = record.found if on_device else None  # read by torch's fused step
+            opt.param_groups[0].update(self._options(members[0], record))
+            if on_device:
+                bad = torch.isfinite(torch.stack([peak[at[n]] for n in members])).all().logical_not()
+                fresh = [n for n in members if not self.optimizers[n].state.get(self.params[n])]
+                record.checks.append((len(record.stepped), members, fresh, bad))
+                found = record.found.get(device)
+                record.found[device] = found = bad.float() if found is None else torch.maximum(found, bad.float())
+            opt.found_inf = found if on_device else None  # read by torch's fused step
             opt.step()
+            record.stepped += members
         for n, p, a, b in zip(names, params, two, peak):
             p.grad = stand_in(p, n, a, b)
-        record.stepped += names
 
-    def _finite(self, names: list[str], params: list[torch.Tensor], two: list[torch.Tensor],
+    def _finite(self, names: list[str], params: list[torch.Tensor], peak: list[torch.Tensor],
                 record: _Backward) -> bool:
-        """Whether every gradient is finite (a non-finite norm is confirmed on the values: a norm
-        can overflow); else stop this backward's steps, and raise where some were stepped."""
-        if not record.tracked or _is_fake(two[0]):  # compiled autograd, estimate(), step()'s (as plain)
+        """Whether every gradient is finite, agreed by every rank of a sharded parameter (each
+        holds its own shard's); else stop this backward's steps, and raise where some were stepped."""
+        if not record.tracked or _is_fake(peak[0]):  # compiled autograd, estimate()
             return True
-        if bool(torch.isfinite(torch.stack([t.to(two[0].dtype) for t in two])).all()):
+        flags = [torch.isfinite(t).logical_not().to(torch.int32) for t in peak]
+        for p, flag in zip(params, flags):
+            if getattr(p, "_local_tensor", None) is not None and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX)  # every rank steps its shard
+        by_device: dict = {}
+        for flag in flags:
+            by_device.setdefault(flag.device, []).append(flag)
+        if not any(bool(torch.stack(group).any()) for group in by_device.values()):
             return True
-        bad = [n for n, p in zip(names, params) if not bool(torch.isfinite(local(p.grad)).all())]
-        if not bad:
-            return True
+        bad = [n for n, flag in zip(names, flags) if bool(flag)]
         self._stop(record, bad[0])
         return False
 
@@ -639,12 +713,13 @@ class InBackward(torch.optim.Optimizer):
             "bad batches, check the loss before backward.")
 
     def _kinds(self, names: list[str]) -> dict:
-        """``names`` by what they step with: their group, and how their optimizers step
-        (``(group, (foreach, fused))``)."""
+        """``names`` by what they step with: their group, how their optimizers step and their
+        device (``(group, (foreach, fused), device)``): a model may span devices."""
         kinds: dict = {}
         for n in names:
             own = self.optimizers[n].param_groups[0]
-            kinds.setdefault((self.group_of.get(n, 0), tuple(own.get(k) for k in _HOW)), []).append(n)
+            key = (self.group_of.get(n, 0), tuple(own.get(k) for k in _HOW), self.params[n].device)
+            kinds.setdefault(key, []).append(n)
         return kinds
 
     def _later(self, name: str, p: torch.Tensor) -> None:
@@ -698,27 +773,29 @@ class InBackward(torch.optim.Optimizer):
         two, peak = norms([local(grad)])
         weight = on.master.detach() if on.seen is None else on.seen  # where the weight comes down
         if p.is_cuda:
-            if self.streams is None:
-                self.streams = (torch.cuda.Stream(p.device), torch.cuda.Stream(p.device))
-            down, up = self.streams
+            down, up, _ = self._streams(p.device)
+            # A half weight: whether it changed since its step wrote it, taken on the compute
+            # stream now, after whatever the forward did to it.
+            changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype) if on.seen is not None else two[0]
             down.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(down):
                 on.grad.copy_(grad, non_blocking=True)
                 if on.seen is None:  # a float32 weight comes down with its gradient, into the master
                     weight.copy_(p.detach(), non_blocking=True)
-                on.norms.copy_(torch.stack([two[0], peak[0]]), non_blocking=True)
+                on.norms.copy_(torch.stack([two[0], peak[0], changed]), non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(down)
             grad.record_stream(down)  # its memory is reused only once the copy is done
         else:
             on.grad.copy_(grad)
-            on.norms.copy_(torch.stack([two[0], peak[0]]))
+            on.norms.copy_(torch.stack([two[0], peak[0], two[0]]))
             copied = up = None
         p.grad = stand_in(p, name, two[0], peak[0])
+        _count_change(p)
         # The step holds the parameter, its state and the handle weakly: a finished step's closure
         # can outlive wait() for a moment in the worker, and must not keep a dropped model alive.
         refs = weakref.ref(p), weakref.ref(on), weakref.ref(self)
-        options, lock = self._options(name), self.lock
+        options, lock = self._options(name, record), self.lock
 
         def step() -> None:
             p, on, handle = (r() for r in refs)
@@ -726,25 +803,22 @@ class InBackward(torch.optim.Optimizer):
                 return
             if copied is not None:
                 copied.synchronize()
-            finite = math.isfinite(float(on.norms[0])) or bool(torch.isfinite(on.grad).all())
+            finite = math.isfinite(float(on.norms[1]))
             with lock:
-                if record.skipping:
-                    return
-            if not finite:
-                handle._stop(record, name, worker=True)
+                skip = record.skipping
+            if skip or not finite:
+                _unstepped(p.grad)
+                if not skip:
+                    handle._stop(record, name, worker=True)
                 return
             if up is None:
                 on.take(p.detach())  # a CPU model's own weight
-            elif on.seen is not None:  # a half weight: fetched where it changed since its step
-                changed = handle._changed(name)
-                if changed:
-                    # A stream of its own, that waits for no other parameter's copy up. After
-                    # copied, the model's changes to the weight are done.
-                    with torch.cuda.stream(handle._check_stream(p.device)):
-                        weight.copy_(p.detach(), non_blocking=True)
-                        torch.cuda.current_stream().synchronize()
-                    handle.fetched += 1
-                    on.take(weight)
+            elif on.seen is not None and bool(on.norms[2]):  # a half weight changed since its step
+                with torch.cuda.stream(handle._streams(p.device)[2]):  # waits for no copy up
+                    weight.copy_(p.detach(), non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
+                handle.fetched += 1
+                on.take(weight)
             on.master.grad = on.grad
             on.optimizer.param_groups[0].update(options)
             on.optimizer.step()
@@ -767,33 +841,11 @@ class InBackward(torch.optim.Optimizer):
         with self.lock:
             self.futures.append(self.worker.submit(step))
 
-    def _mark_changes(self) -> None:
-        """At a training forward, which weights stepped on the CPU changed since their step wrote
-        them: their fingerprints compared on the GPU, the flags copied down without waiting (read
-        by the CPU steps in backward, long after)."""
-        names = [n for n, on in self.cpu.items() if on.written is not None and self.params[n].is_cuda]
-        self.changes = None
-        if not names:
-            return
-        flags = torch.stack([_differs(fingerprint(self.params[n]), self.cpu[n].written) for n in names])
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self.changes = ({n: i for i, n in enumerate(names)}, host, done)
-
-    def _changed(self, name: str) -> bool:
-        """Whether ``name``'s weight changed since its last CPU step wrote it (see _mark_changes)."""
-        if self.changes is None or name not in self.changes[0]:
-            return True
-        at, host, done = self.changes
-        done.synchronize()
-        return bool(host[at[name]])
-
-    def _check_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self.check is None:
-            self.check = torch.cuda.Stream(device)
-        return self.check
+    def _streams(self, device: torch.device) -> tuple:
+        """A device's streams for the CPU steps: the copies down, the copies up, the fetches."""
+        if device not in self.streams:
+            self.streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        return self.streams[device]
 
     # -- between backwards -----------------------------------------------------------------------------
     def wait(self) -> None:
@@ -802,8 +854,8 @@ class InBackward(torch.optim.Optimizer):
         with self.lock:
             futures, self.futures = self.futures, []
         errors = [f.exception() for f in futures]
-        if self.streams is not None:
-            torch.cuda.current_stream(self.streams[1].device).wait_stream(self.streams[1])
+        for device, (_, up, _) in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(up)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             with self.lock:
@@ -853,10 +905,8 @@ class InBackward(torch.optim.Optimizer):
                 self.model = weakref.ref(module)
             self._confirmed("a training forward")
             self.bind(module)
-            if self.on_cpu and torch.cuda.is_available():
-                self._mark_changes()
             for p in self.params.values():
-                if isinstance(p.grad, Consumed) and p.grad.zeroed:
+                if p.grad is not None and isinstance(local(p.grad), Consumed) and local(p.grad).zeroed:
                     p.grad = None
 
     def close(self) -> None:
@@ -871,11 +921,16 @@ class InBackward(torch.optim.Optimizer):
 
 
 def _guard_grad_scaler() -> None:
-    """``torch.amp.GradScaler.scale`` refuses a loss of a model whose optimizer steps in backward,
-    before its backward steps the scaled gradients (installed once, with the first handle)."""
-    cls = torch.amp.GradScaler
-    if getattr(cls.scale, "_sw_guard", False):
-        return
+    """``GradScaler.scale`` refuses a loss of a model whose optimizer steps in backward, before its
+    backward steps the scaled gradients: torch's, and FSDP's ``ShardedGradScaler`` where it was
+    imported (installed with each handle, once a class)."""
+    sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
+    for cls in (torch.amp.GradScaler, getattr(sharded, "ShardedGradScaler", None)):
+        if cls is not None and not getattr(cls.__dict__.get("scale"), "_sw_guard", False) and "scale" in cls.__dict__:
+            _guard(cls)
+
+
+def _guard(cls: type) -> None:
     original = cls.scale
 
     @functools.wraps(original)
@@ -889,23 +944,27 @@ def _guard_grad_scaler() -> None:
 
 
 def _refuse_scaled(outputs: Any) -> None:
-    """Raise where the graph behind ``outputs`` reaches a parameter a live handle steps."""
-    stepped = {id(p) for h in list(_LIVE) for p in h.params.values()}
+    """Raise where the graph behind ``outputs`` reaches a parameter a live handle steps, or where a
+    handle steps FSDP2's shards (whose graph holds the unsharded parameters instead)."""
+    handles = list(_LIVE)
+    stepped = {id(p) for h in handles for p in h.params.values()}
+    reached = any(getattr(p, "_local_tensor", None) is not None for h in handles for p in h.params.values())
     roots = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set = set()
-    while todo:
+    while todo and not reached:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if id(getattr(node, "variable", None)) in stepped:
-            raise RuntimeError(
-                "shrinkwrap: GradScaler.scale() on a loss of a model whose optimizer steps inside backward "
-                "(step_in_backward()): backward would step each parameter with the scaled gradient before the "
-                "scaler could unscale or skip it. Train in bfloat16 (autocast(torch.bfloat16) needs no scaler), "
-                "or leave step_in_backward() out of the plan (shrinkwrap.revert(model)).")
+        reached = id(getattr(node, "variable", None)) in stepped
         todo.extend(next_fn for next_fn, _ in node.next_functions)
+    if reached:
+        raise RuntimeError(
+            "shrinkwrap: GradScaler.scale() on a loss of a model whose optimizer steps inside backward "
+            "(step_in_backward()): backward would step each parameter with the scaled gradient before the "
+            "scaler could unscale or skip it. Train in bfloat16 (autocast(torch.bfloat16) needs no scaler), "
+            "or leave step_in_backward() out of the plan (shrinkwrap.revert(model)).")
 
 
 def check_class(cls: type, options: dict, device: torch.device) -> None:

@@ -38,17 +38,17 @@ class Consumed(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, norm: torch.Tensor, peak: torch.Tensor, name: str = "",
-                device: torch.device | None = None) -> "Consumed":
+                device: torch.device | None = None, stepped: bool = True) -> "Consumed":
         # A storage of no bytes: what counts storages (torch's MemTracker, shrinkwrap.estimate) sees none.
         out = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device or like.device,
                                                   storage_size=0)
-        out._sw_norm, out._sw_max, out._sw_name = norm, peak, name
+        out._sw_norm, out._sw_max, out._sw_name, out._sw_stepped = norm, peak, name, stepped
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __deepcopy__(self, memo: dict) -> "Consumed":
-        return Consumed(self, self._sw_norm.clone(), self._sw_max.clone(), self._sw_name)
+        return Consumed(self, self._sw_norm.clone(), self._sw_max.clone(), self._sw_name, stepped=self._sw_stepped)
 
     @property
     def zeroed(self) -> bool:
@@ -72,22 +72,27 @@ class Consumed(torch.Tensor):
                 return out if name == "_foreach_norm" else out[0]
         if name in _VIEWS:  # what a DTensor makes of its shard: another stand-in, the same norms
             meta = func(torch.empty(first.shape, dtype=first.dtype, device="meta"), *args[1:], **kwargs)
-            return Consumed(meta, first._sw_norm, first._sw_max, first._sw_name, first.device)
+            return Consumed(meta, first._sw_norm, first._sw_max, first._sw_name, first.device, first._sw_stepped)
         if name == "detach_":  # nn.Module.zero_grad(set_to_none=False) detaches before zeroing
             return first
         if name == "_to_copy":  # a model cast or moved with its gradients: their stand-ins follow it
             like = torch.empty(first.shape, dtype=kwargs.get("dtype") or first.dtype, device="meta")
-            return Consumed(like, first._sw_norm, first._sw_max, first._sw_name, kwargs.get("device") or first.device)
+            return Consumed(like, first._sw_norm, first._sw_max, first._sw_name, kwargs.get("device") or first.device,
+                            first._sw_stepped)
         if name in ("zero_", "_foreach_zero_"):
             for t in mine:
                 t._sw_zero = True
                 t._sw_norm, t._sw_max = torch.zeros_like(t._sw_norm), torch.zeros_like(t._sw_max)
             return None if name.startswith("_foreach") else first
-        if mine and all(t.zeroed or not bool(torch.isfinite(t._sw_norm)) for t in mine) and name in _SCALES:
-            return _same(name, first)  # zeros, or a gradient left unstepped: scaling changes nothing
+        if mine and all(t.zeroed or not t._sw_stepped for t in mine) and name in _SCALES:
+            # Zeros, or a gradient a backward stopped at a non-finite one did not step: clipping it
+            # (a guard's clip_grad_norm_ over a non-finite total) changes nothing the step used.
+            return _same(name, first)
         if name in ("mul_", "_foreach_mul_"):
-            if _factor_is(args[1], lambda f: f == 1.0):
-                return _same(name, first)  # clip_grad_norm_ within the limit
+            # Within the limit; or over a total that is NaN, which only a non-finite gradient
+            # makes, and that backward's steps stopped at it.
+            if _factor_is(args[1], lambda f: f == 1.0 or math.isnan(f)):
+                return _same(name, first)
             total = _factor_text(args[1])
             raise RuntimeError(message(f"clip_grad_norm_ above its limit (it scales {_named(mine)} by {total})",
                                        "Clip with a max_norm above the global norm, which clip_grad_norm_ returns "
@@ -158,11 +163,11 @@ def _bounds(name: str, args: tuple, kwargs: dict) -> tuple[float | None, float |
 
 def norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each gradient's 2-norm and largest magnitude (float32 at least, as ``clip_grad_norm_``
-    takes them), two launches a dtype: a launch a gradient costs the CPU more than a backward
+    takes them), two launches a device and dtype: a launch a gradient costs the CPU more than a backward
     that keeps the GPU waiting can spare. A sparse gradient's come from its values."""
     two: list[Any] = [None] * len(grads)
     peak: list[Any] = [None] * len(grads)
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_kind: dict[tuple, list[int]] = {}
     for i, g in enumerate(grads):
         if g.is_sparse:
             values = g.coalesce().values()
@@ -170,8 +175,8 @@ def norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Ten
             two[i] = torch.linalg.vector_norm(values, 2, dtype=wide)
             peak[i] = torch.linalg.vector_norm(values, math.inf, dtype=wide) if values.numel() else two[i] * 0
             continue
-        by_dtype.setdefault(g.dtype, []).append(i)
-    for dtype, at in by_dtype.items():
+        by_kind.setdefault((g.device, g.dtype), []).append(i)
+    for (_, dtype), at in by_kind.items():
         wide = torch.promote_types(dtype, torch.float32)
         group = [grads[i].detach() for i in at]
         for out, order in ((two, 2), (peak, math.inf)):
@@ -180,16 +185,16 @@ def norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Ten
     return two, peak
 
 
-def stand_in(p: torch.Tensor, name: str, norm: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """The stand-in for ``p``'s gradient: of a DTensor (FSDP2's sharded parameter), a DTensor over
-    a stand-in of this rank's shard."""
+def stand_in(p: torch.Tensor, name: str, norm: torch.Tensor, peak: torch.Tensor, stepped: bool = True) -> torch.Tensor:
+    """The stand-in for ``p``'s gradient (``stepped``: the step applied it): of a DTensor (FSDP2's
+    sharded parameter), a DTensor over a stand-in of this rank's shard."""
     local = getattr(p, "_local_tensor", None)
     if local is None:
-        return Consumed(p, norm, peak, name)
+        return Consumed(p, norm, peak, name, stepped=stepped)
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(Consumed(local, norm, peak, name), p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return DTensor.from_local(Consumed(local, norm, peak, name, stepped=stepped), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
 
 
 def is_stand_in(t: Any) -> bool:
