@@ -189,6 +189,7 @@ def bill_section() -> list[str]:
         out += [f"Run: {stamp(curves)}. Every step's loss: `bill.json`.", ""]
     if estimates:
         out += _bill_estimates(estimates)
+    out += step_checks_section()
     checks = []
     for name, target in BILL_TARGETS.items():
         r = next((r for r in mem if r["model"] == "qwen05b" and r["config"] == name and "peak_mib" in r), None)
@@ -219,6 +220,36 @@ def bill_section() -> list[str]:
                               f"1.05x): {'met' if r['x_best'] <= 1.05 else 'missed'}")
     if checks:
         out += ["Against the targets:", "", *checks, ""]
+    return out
+
+
+def step_checks_section() -> list[str]:
+    """The step in backward's checks (docs/steps/step_in_backward.md's loop table), timed against
+    the code before them: both codes' models in turns in one process, the earlier imported as a
+    second package."""
+    rows = load("step_checks.json")
+    if not rows:
+        return []
+    runs = list(OrderedDict.fromkeys(r["run"] for r in rows))
+    configs = list(OrderedDict.fromkeys(r["config"] for r in rows))
+    at = {(r["run"], r["config"]): r for r in rows}
+    out = ["### The step in backward's checks, timed", "",
+           "Step times of qwen05b's rows (`bill.py`'s plans at `chunk_size=256`) in turns in one process: the code "
+           "with the checks against the code before them (`sw.time_interleaved` over both codes' models; rounds of "
+           "2 iterations; median ms, new / before, and their ratio), for five forms of the checks, A-E:", ""]
+    body = []
+    for run in runs:
+        first = next(r for r in rows if r["run"] == run)
+        cells = []
+        for c in configs:
+            r = at.get((run, c))
+            cells.append("-" if r is None else f"{num(r['step_ms'])} / {num(r['before_ms'])} "
+                                               f"({ratio(r['step_ms'], r['before_ms'])}x)")
+        body.append([run, first["code"], str(first["rounds"]), num(first["best_ms"]), *cells])
+    out += table(["run", "code of the new rows", "rounds", "best", *configs], body)
+    out += [f"Runs: {stamp(rows)}. The code shipped steps in backward as in C and D, `LowBitAdamW` as in B and C "
+            "(its steps are checked on the host), a float32 weight with the state on the CPU as in A and a half "
+            "one as in E (that combination was not timed).", ""]
     return out
 
 
