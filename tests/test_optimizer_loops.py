@@ -681,12 +681,17 @@ def _fused(monkeypatch):
 KINDS = ["device", "cpu", "fused"]
 
 
+def _kind(kind: str, monkeypatch) -> tuple[str, bool]:
+    """(the state, whether fused) of one of KINDS: "fused" is the state on the device, fused."""
+    if kind == "fused":
+        _fused(monkeypatch)
+    return ("device" if kind == "fused" else kind), kind == "fused"
+
+
 @pytest.mark.parametrize("state", KINDS)
 def test_a_non_finite_gradient_after_some_were_stepped_raises_naming_them_and_is_never_stepped(state, monkeypatch):
     _buckets_of_one(monkeypatch)
-    if state == "fused":
-        _fused(monkeypatch)
-        state = "device"
+    state, _ = _kind(state, monkeypatch)
     torch.manual_seed(0)
     model = _Split().double()
     sw.apply(model, sw.step_in_backward(torch.optim.AdamW, OPTIONS, state=state))
@@ -707,9 +712,7 @@ def test_a_non_finite_gradient_after_some_were_stepped_raises_naming_them_and_is
 
 @pytest.mark.parametrize("state", KINDS)
 def test_a_non_finite_backward_steps_nothing_and_step_after_it_raises(state, monkeypatch):
-    if state == "fused":
-        _fused(monkeypatch)
-        state = "device"
+    state, _ = _kind(state, monkeypatch)
     _, _, model, opt = _pair(state)
     _steps(1)(model, opt)
     snap = _snapshot(model, opt)
@@ -811,10 +814,7 @@ def _nan_head_at(i_bad):
 
 @pytest.mark.parametrize("state", KINDS)
 def test_a_guard_on_the_total_norm_skips_a_batch_with_one_gradient_not_finite(state, monkeypatch):
-    fused = state == "fused"
-    if fused:
-        _fused(monkeypatch)
-        state = "device"
+    state, fused = _kind(state, monkeypatch)
     _beside(state, _nan_head_at(1), plain=lambda m: torch.optim.AdamW(
         m.parameters(), foreach=False, fused=fused or None, **OPTIONS))
 
@@ -830,10 +830,7 @@ def test_a_skipped_first_batch_leaves_no_state_behind_with_fused_sgd(monkeypatch
 @pytest.mark.parametrize("state", KINDS)
 def test_finite_gradients_too_large_for_a_float32_norm_are_stepped(state, monkeypatch):
     # Their 2-norm overflows float32; their largest magnitude, which decides, does not.
-    fused = state == "fused"
-    if fused:
-        _fused(monkeypatch)
-        state = "device"
+    state, fused = _kind(state, monkeypatch)
     def big(model, opt):
         for i in range(3):
             opt.zero_grad()
