@@ -925,3 +925,15 @@ def test_a_weight_s_fingerprint_shows_a_value_changed_and_rows_moved(dtype):
         change(moved)
         assert not torch.equal(moved, w) and bool(_differs(fingerprint(moved), then, w.device))
     assert fingerprint(w.t()) is None and bool(_differs(None, then, w.device))
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_a_tensor_learning_rate_set_in_place_after_backward_is_refused(state):
+    options = {"lr": torch.tensor(0.01), "weight_decay": 0.1}
+    _, _, model, opt = _pair(state, options=options, plain=lambda m: None)
+    _steps(1)(model, opt)
+    opt.zero_grad()
+    _loss(model, 1).backward()
+    opt.param_groups[0]["lr"].fill_(0.5)
+    with pytest.raises(RuntimeError, match=r"lr of param group 0 changed after backward"):
+        opt.step()

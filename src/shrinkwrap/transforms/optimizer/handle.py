@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import importlib
 import math
 import sys
 import threading
@@ -49,9 +50,15 @@ def _count_change(p: torch.Tensor) -> None:
     """Count the CPU step's coming write in ``p``'s version now, before the worker makes it: a node
     later in this backward that needs the weight as it was raises torch's error, as it does where
     the step runs on the device (whose in-place update counts)."""
-    set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if set_version is not None:
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(p)
+        return
+    set_version = torch._C._autograd._unsafe_set_version_counter
+    try:
         set_version((p,), (p._version + 1,))
+    except TypeError:  # torch 2.4-2.5 take one tensor
+        set_version(p, p._version + 1)
 
 
 def _unstepped(grad: Any) -> None:
@@ -157,7 +164,6 @@ class _OnCpu:
         self.norms = torch.empty(3, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
         self.written: tuple | None = None  # the fingerprint of the weight as the last step wrote it
         self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
-        self.ready: torch.cuda.Event | None = None
 
     def take(self, weight: torch.Tensor) -> None:
         """The master copy from the weight the model holds (``weight``: what came down into the
@@ -182,7 +188,7 @@ class _Backward:
     # Fused steps check on the device (their found_inf skips the update) and are read at the end
     # of backward in one synchronisation: (where in ``stepped`` the step began, its names, a flag).
     checks: list = dataclasses.field(default_factory=list)
-    found: dict = dataclasses.field(default_factory=dict)  # a device's flag: the later fused steps skip
+    found: torch.Tensor | None = None  # a fused step's gradient not finite: the later ones skip
     used: dict = dataclasses.field(default_factory=dict)  # each group's options as its steps read them
 
 
@@ -452,8 +458,8 @@ class InBackward(torch.optim.Optimizer):
         own optimizer steps (``_HOW``); kept in ``record`` as the backward read them."""
         g = self.group_of.get(n, 0)
         options = {k: v for k, v in self.param_groups[g].items() if k != "params" and k not in _HOW}
-        if record is not None:
-            record.used.setdefault(g, options)
+        if record is not None and g not in record.used:
+            record.used[g] = (options, {k: v._version for k, v in options.items() if isinstance(v, torch.Tensor)})
         own = self.optimizers[n].param_groups[0]
         return {**options, **{k: own[k] for k in _HOW if k in own}}
 
@@ -462,9 +468,10 @@ class InBackward(torch.optim.Optimizer):
         ``step()`` (a step pre-hook, a learning rate set after backward): a plain optimizer would
         step this batch with the new ones."""
         for record in self.unconfirmed:
-            for g, used in record.used.items():
+            for g, (used, versions) in record.used.items():
                 now = self.param_groups[g] if g < len(self.param_groups) else {}
-                changed = [k for k, v in used.items() if not (now.get(k) is v or _equal(now.get(k), v))]
+                changed = [k for k, v in used.items() if not (now.get(k) is v or _equal(now.get(k), v))
+                           or k in versions and v._version != versions[k]]  # a tensor lr set in place
                 if changed:
                     self.unconfirmed = []
                     raise RuntimeError(
@@ -631,7 +638,7 @@ class InBackward(torch.optim.Optimizer):
         them is dropped: fused SGD leaves its momentum buffers unset); raise if some were before."""
         if not record.checks:
             return
-        checks, record.checks, record.found = record.checks, [], {}
+        checks, record.checks, record.found = record.checks, [], None
         first = next((i for i, (_, _, _, flag) in enumerate(checks) if bool(flag)), None)
         if first is None:
             return
@@ -668,9 +675,12 @@ class InBackward(torch.optim.Optimizer):
                 bad = torch.isfinite(torch.stack([peak[at[n]] for n in members])).all().logical_not()
                 fresh = [n for n in members if not self.optimizers[n].state.get(self.params[n])]
                 record.checks.append((len(record.stepped), members, fresh, bad))
-                found = record.found.get(device)
-                record.found[device] = found = bad.float() if found is None else torch.maximum(found, bad.float())
-            opt.found_inf = found if on_device else None  # read by torch's fused step
+                # One flag for the whole backward, on the device it began on: after a bad bucket on
+                # one device, the buckets on every device skip.
+                found = bad.float() if record.found is None else torch.maximum(record.found, bad.float().to(
+                    record.found.device))
+                record.found = found
+            opt.found_inf = found.to(device) if on_device else None  # read by torch's fused step
             opt.step()
             record.stepped += members
         for n, p, a, b in zip(names, params, two, peak):
@@ -777,15 +787,17 @@ class InBackward(torch.optim.Optimizer):
             # A half weight: whether it changed since its step wrote it, taken on the compute
             # stream now, after whatever the forward did to it.
             changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype) if on.seen is not None else two[0]
+            told = torch.stack([two[0], peak[0], changed])
             down.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(down):
                 on.grad.copy_(grad, non_blocking=True)
                 if on.seen is None:  # a float32 weight comes down with its gradient, into the master
                     weight.copy_(p.detach(), non_blocking=True)
-                on.norms.copy_(torch.stack([two[0], peak[0], changed]), non_blocking=True)
+                on.norms.copy_(told, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(down)
-            grad.record_stream(down)  # its memory is reused only once the copy is done
+            grad.record_stream(down)  # their memory is reused only once the copies are done
+            told.record_stream(down)
         else:
             on.grad.copy_(grad)
             on.norms.copy_(torch.stack([two[0], peak[0], two[0]]))
@@ -831,8 +843,6 @@ class InBackward(torch.optim.Optimizer):
                         p.data.copy_(on.master, non_blocking=True)
                         if on.seen is not None:
                             on.written = fingerprint(p)
-                        on.ready = torch.cuda.Event()
-                        on.ready.record(up)
                 else:
                     p.data.copy_(on.master)
 
@@ -922,9 +932,14 @@ class InBackward(torch.optim.Optimizer):
 
 def _guard_grad_scaler() -> None:
     """``GradScaler.scale`` refuses a loss of a model whose optimizer steps in backward, before its
-    backward steps the scaled gradients: torch's, and FSDP's ``ShardedGradScaler`` where it was
-    imported (installed with each handle, once a class)."""
-    sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
+    backward steps the scaled gradients: torch's, and FSDP's ``ShardedGradScaler``, which has a
+    ``scale`` of its own (installed with each handle, once a class)."""
+    sharded = None
+    if torch.distributed.is_available():
+        try:
+            sharded = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
+        except ImportError:
+            pass
     for cls in (torch.amp.GradScaler, getattr(sharded, "ShardedGradScaler", None)):
         if cls is not None and not getattr(cls.__dict__.get("scale"), "_sw_guard", False) and "scale" in cls.__dict__:
             _guard(cls)
