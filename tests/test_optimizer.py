@@ -724,7 +724,8 @@ def test_an_answer_that_steps_in_backward_says_which_terms_it_cut_and_that_its_o
 
 
 def test_a_gpu_parameter_s_state_on_the_cpu_steps_with_the_fused_one_optimizer_to_rounding():
-    from shrinkwrap.transforms.optimizer.handle import LowBitAdamW, _one_optimizer
+    from shrinkwrap.transforms.optimizer.cpu import _one_optimizer
+    from shrinkwrap.transforms.optimizer.lowbit import LowBitAdamW
 
     options = {"lr": 1e-3, "weight_decay": 0.01, "foreach": False}
     torch.manual_seed(0)

@@ -910,7 +910,7 @@ def test_the_state_on_the_cpu_refuses_fsdp2_shards_naming_the_parameter():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_weight_s_fingerprint_shows_a_value_changed_and_rows_moved(dtype):
-    from shrinkwrap.transforms.optimizer.handle import _differs, fingerprint
+    from shrinkwrap.transforms.optimizer.cpu import _differs, fingerprint
 
     w = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).to(dtype)
     then = fingerprint(w)

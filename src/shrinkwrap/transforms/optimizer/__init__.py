@@ -7,7 +7,9 @@ keeps the state in 8 bits (lossy, opt-in). The files, one concern each:
 
 - ``step.py``: the plan step and ``sw.optimizer(model)``, the handle the loop drives.
 - ``handle.py``: the handle, ``InBackward``: the optimizer per parameter, stepped in its hook, in
-  buckets or on the CPU, and what a plain loop does that it refuses.
+  buckets or on the CPU, and the loops it follows or refuses as they run.
+- ``cpu.py``: a parameter's copy and state on the CPU, and its weight's fingerprint.
+- ``refusals.py``: what is refused before any step (an optimizer class, a GradScaler).
 - ``standin.py``: what ``.grad`` holds after the step used a gradient.
 - ``lowbit.py``: ``LowBitAdamW``.
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import importlib
 import math
 import sys
 import threading
@@ -31,7 +29,9 @@ import torch.nn as nn
 from torch.optim.optimizer import required
 
 from ... import _rewrite
+from .cpu import _OnCpu, _differs, _one_optimizer, fingerprint
 from .lowbit import LowBitAdamW, _is_fake
+from .refusals import _LIVE, guard_grad_scaler, per_parameter_options
 from .standin import Consumed, is_stand_in, local, norms, stand_in
 
 # Gradients that wait in backward to be stepped together (see InBackward._later): at most 128 MiB,
@@ -41,7 +41,6 @@ _SHARE = 16
 _TOGETHER = 64  # bucket optimizers kept (buckets differ where a forward leaves parameters unused)
 _HOW = ("foreach", "fused")  # the group options that say how an optimizer steps, not what it computes
 
-_LIVE: "weakref.WeakSet[InBackward]" = weakref.WeakSet()  # the handles alive, for the GradScaler guard
 # The classes whose fused step skips itself where ``found_inf`` is set (as GradScaler has it).
 _FOUND_INF = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
 
@@ -86,95 +85,6 @@ def _keeps_graph() -> bool:
     """Whether the running backward keeps its graph (``retain_graph=True``, ``create_graph=True``)."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(keep()) if keep is not None and not _compiled_autograd() else False
-
-
-def per_parameter_options(cls: type, options: dict) -> dict:
-    """``options`` with ``foreach=False`` where ``cls`` takes it: an optimizer over one tensor has
-    nothing to group (a class without the keyword, most third-party ones, takes ``options`` as given)."""
-    try:
-        cls([torch.zeros(1, requires_grad=True)], **{**options, "foreach": False})
-    except TypeError:
-        return dict(options)
-    return {**options, "foreach": False}
-
-
-def _one_optimizer(cls: type, p: torch.Tensor, options: dict, fused: bool) -> torch.optim.Optimizer:
-    """``cls`` over the one tensor ``p``: fused where asked and the class has a fused form for
-    ``p``'s device and dtype (a GPU parameter or its CPU copy), else with ``options`` as given."""
-    if fused:
-        try:
-            return cls([p], **{**options, "foreach": None, "fused": True})
-        except (TypeError, ValueError, RuntimeError):  # no fused form of this class here
-            pass
-    return cls([p], **options)
-
-
-_PRINT = 4096  # values a block of a weight's fingerprint
-_PROBES: dict = {}
-
-
-def fingerprint(t: torch.Tensor) -> tuple | None:
-    """What tells, on the GPU and without a copy of ``t``, whether it changed: each block's sum of
-    bit patterns (exact, so any one value changed shows) and its product with a fixed vector (so
-    values moved within a block show). None where ``t`` is not contiguous: it is taken as changed."""
-    if not t.is_contiguous():
-        return None
-    flat = t.detach().reshape(-1)
-    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    n = flat.numel()
-    m = n - n % _PRINT
-    probe = _PROBES.get((t.dtype, t.device))
-    if probe is None:
-        probe = _PROBES[(t.dtype, t.device)] = torch.linspace(1.0, 2.0, _PRINT, dtype=t.dtype, device=t.device)
-    sums = [bits[:m].view(-1, _PRINT).sum(1, dtype=torch.int64), bits[m:].sum(dtype=torch.int64).reshape(1)]
-    mixed = [flat[:m].view(-1, _PRINT) @ probe, (flat[m:] * probe[: n - m]).sum().reshape(1)]
-    return torch.cat(sums), torch.cat(mixed)
-
-
-def _differs(now: tuple | None, then: tuple | None, device: torch.device) -> torch.Tensor:
-    """Whether the fingerprints differ (or either is missing), a bool on ``device``."""
-    if now is None or then is None:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return (now[0] != then[0]).any() | (now[1] != then[1]).any()
-
-
-class _OnCpu:
-    """One parameter's optimizer stepped on the CPU: its copy (float32 where the parameter is
-    half: the master copy), gradient buffer and norms in pinned memory (plain memory where there
-    is no CUDA), the optimizer over the copy.
-
-    The step starts from what the model holds (a ``load_state_dict``, a clamp through ``.data``,
-    a resume since): a float32 weight comes down with its gradient into the copy the step takes.
-    A half weight comes down where its :func:`fingerprint` differs from the one its last step
-    wrote (the master copy holds more than the weight), and its values that differ from the
-    master's rounding replace the master's. For a GPU's parameter the CPU optimizer is torch's
-    fused one where its class has one (AdamW, Adam, SGD, Adagrad): one pass over the values
-    instead of one an operation. A CPU
-    model's parameters keep the single-tensor path, and with it the plain loop's bits."""
-
-    def __init__(self, p: torch.Tensor, cls: type, options: dict) -> None:
-        pinned = p.is_cuda
-        dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-        self.master = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
-        self.master.copy_(p.detach())
-        self.master.requires_grad_(True)
-        self.seen = None if dtype == p.dtype else torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
-        self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
-        # The gradient's 2-norm and largest magnitude, and whether a half weight changed since its step.
-        self.norms = torch.empty(3, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
-        self.written: tuple | None = None  # the fingerprint of the weight as the last step wrote it
-        self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
-
-    def take(self, weight: torch.Tensor) -> None:
-        """The master copy from the weight the model holds (``weight``: what came down into the
-        master or ``seen``, or a CPU model's parameter)."""
-        if self.seen is None:
-            if weight.data_ptr() != self.master.data_ptr():
-                self.master.detach().copy_(weight)
-            return
-        changed = weight != self.master.detach().to(weight.dtype)
-        if bool(changed.any()):
-            self.master.detach()[changed] = weight[changed].to(self.master.dtype)
 
 
 @dataclasses.dataclass
@@ -251,7 +161,7 @@ class InBackward(torch.optim.Optimizer):
         self.retained = False  # warned that a backward keeping its graph keeps its gradients
         self.fetched = 0  # weights the CPU steps took from the GPU, changed since their last step
         _LIVE.add(self)
-        _guard_grad_scaler()
+        guard_grad_scaler()
 
     # -- what torch's Optimizer API reads ----------------------------------------------------------
     @property
@@ -928,91 +838,3 @@ class InBackward(torch.optim.Optimizer):
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
-
-
-def _guard_grad_scaler() -> None:
-    """``GradScaler.scale`` refuses a loss of a model whose optimizer steps in backward, before its
-    backward steps the scaled gradients: torch's, and FSDP's ``ShardedGradScaler``, which has a
-    ``scale`` of its own (installed with each handle, once a class)."""
-    sharded = None
-    if torch.distributed.is_available():
-        try:
-            sharded = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
-        except ImportError:
-            pass
-    for cls in (torch.amp.GradScaler, getattr(sharded, "ShardedGradScaler", None)):
-        if cls is not None and not getattr(cls.__dict__.get("scale"), "_sw_guard", False) and "scale" in cls.__dict__:
-            _guard(cls)
-
-
-def _guard(cls: type) -> None:
-    original = cls.scale
-
-    @functools.wraps(original)
-    def scale(self: Any, outputs: Any) -> Any:
-        if getattr(self, "_enabled", True) and len(_LIVE):
-            _refuse_scaled(outputs)
-        return original(self, outputs)
-
-    scale._sw_guard = True  # type: ignore[attr-defined]
-    cls.scale = scale
-
-
-def _refuse_scaled(outputs: Any) -> None:
-    """Raise where the graph behind ``outputs`` reaches a parameter a live handle steps, or where a
-    handle steps FSDP2's shards (whose graph holds the unsharded parameters instead)."""
-    handles = list(_LIVE)
-    stepped = {id(p) for h in handles for p in h.params.values()}
-    reached = any(getattr(p, "_local_tensor", None) is not None for h in handles for p in h.params.values())
-    roots = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set = set()
-    while todo and not reached:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        reached = id(getattr(node, "variable", None)) in stepped
-        todo.extend(next_fn for next_fn, _ in node.next_functions)
-    if reached:
-        raise RuntimeError(
-            "shrinkwrap: GradScaler.scale() on a loss of a model whose optimizer steps inside backward "
-            "(step_in_backward()): backward would step each parameter with the scaled gradient before the "
-            "scaler could unscale or skip it. Train in bfloat16 (autocast(torch.bfloat16) needs no scaler), "
-            "or leave step_in_backward() out of the plan (shrinkwrap.revert(model)).")
-
-
-def check_class(cls: type, options: dict, device: torch.device) -> None:
-    """Refuse, before any change, a class whose step cannot run a parameter at a time in backward:
-    LBFGS (a closure evaluated again within a step), a class whose update of several parameters
-    differs from its update of each alone (a global gradient norm, LAMB-style), one that cannot
-    step without a closure. torch's classes and :class:`LowBitAdamW` update each parameter alone."""
-    if cls is torch.optim.LBFGS:
-        raise ValueError("shrinkwrap: step_in_backward(torch.optim.LBFGS): LBFGS evaluates the loss again within a "
-                         "step through a closure, which cannot run inside backward; train with it as a plain "
-                         "optimizer (leave step_in_backward() out of the plan)")
-    if cls.__module__.startswith("torch.optim") or cls is LowBitAdamW:
-        return
-    options = per_parameter_options(cls, options)
-    dtype = torch.float64 if device.type == "cpu" else torch.float32
-    g = torch.Generator().manual_seed(0)
-    shapes = [(3, 4), (5,)]
-    start = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
-    grads = [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(3)]
-    together = [t.clone().to(device).requires_grad_(True) for t in start]
-    alone = [t.clone().to(device).requires_grad_(True) for t in start]
-    try:
-        opts = [cls(together, **options)] + [cls([p], **options) for p in alone]
-        for step in grads:
-            for p, q, grad in zip(together, alone, step):
-                p.grad, q.grad = grad.to(device), grad.to(device)
-            for opt in opts:
-                opt.step()
-    except Exception as exc:  # noqa: BLE001 - the class's own message, before any change
-        raise ValueError(f"shrinkwrap: step_in_backward({cls.__qualname__}) steps each parameter alone, without a "
-                         f"closure; {cls.__qualname__} could not step two small tensors so on {device}: {exc}") from None
-    if not all(torch.equal(p, q) for p, q in zip(together, alone)):
-        raise ValueError(f"shrinkwrap: step_in_backward({cls.__qualname__}): its update of two parameters together "
-                         "differs from its update of each alone (a norm over all the gradients, as LAMB-style or "
-                         "clipping optimizers take), and the step in backward steps each alone. Train with it as a "
-                         "plain optimizer (leave step_in_backward() out of the plan).")

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ... import _rewrite
 from ...select import require_module
 from ...step import Candidate, Context, Step, Targets
-from .handle import InBackward, check_class
+from .handle import InBackward
+from .refusals import check_class
 from .lowbit import LowBitAdamW
 
 _HANDLE = "_sw_optimizer"  # where the root keeps its handle: the measuring harness reads it (no import)
