@@ -113,9 +113,9 @@ def _signature(p: torch.Tensor) -> tuple:
     return p.device, p.dtype, tuple(p.shape)
 
 
-def _names(names: list[str], more: int = 0) -> str:
+def _names(names: list[str]) -> str:
     shown = ", ".join(repr(n) for n in names[:3])
-    rest = len(names) - 3 + more
+    rest = len(names) - 3
     return shown + (f" and {rest} more" if rest > 0 else "")
 
 
