@@ -471,7 +471,7 @@ def test_a_failing_candidate_is_a_row_and_a_note_and_the_search_goes_on():
     failed = [r for r in report.rows if r.status == "failed"]
     assert failed and all("cannot be recomputed" in r.error for r in failed)
     assert any(n.startswith("left:") and "failed (RuntimeError: cannot be recomputed)" in n for n in report.notes)
-    assert not any(s.pattern in (("1",), ("1.0",)) for s in plan if isinstance(s, sw.Checkpoint))
+    assert not any(s.pattern in (("1",), ("1.0",)) for s in plan if isinstance(s, sw.checkpoint))
     sw.apply(make(), plan)(BATCH).sum().backward()  # the answer runs
 
 

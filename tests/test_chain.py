@@ -278,4 +278,4 @@ def test_chain_candidates_only_before_a_sequential_stack():
 def test_merge_keeps_chain_steps_apart():
     model = resnet64()
     steps = [sw.checkpoint(("conv1", "bn1"), chain=True), sw.checkpoint(("layer1",)), sw.checkpoint(("layer2",))]
-    assert sw.Checkpoint.merge(steps, model) == [steps[0], sw.checkpoint("layer1|layer2")]
+    assert sw.checkpoint.merge(steps, model) == [steps[0], sw.checkpoint("layer1|layer2")]

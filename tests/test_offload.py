@@ -159,7 +159,7 @@ def test_plan_text_round_trip_and_default_pattern():
     model = mlp()
     sw.apply(model, sw.Plan([sw.offload()]))  # the largest stack of same-type blocks, last one kept
     assert sw.records(model)[0].matched == ("0", "1", "2")
-    assert sw.Offload.candidates(model, sw.step.Context()) == []
+    assert sw.offload.candidates(model, sw.step.Context()) == []
 
 
 @pytest.mark.parametrize("order", ["checkpoint first", "offload first"])

@@ -75,7 +75,7 @@ def test_conflicting_steps_are_refused_by_the_plan():
     @dataclasses.dataclass(frozen=True)
     class Picky(Step):
         def conflict(self, other):
-            return "picky wants to be alone" if isinstance(other, sw.Checkpoint) else None
+            return "picky wants to be alone" if isinstance(other, sw.checkpoint) else None
 
     with pytest.raises(PlanError, match="picky wants to be alone"):
         sw.Plan([Picky(), sw.checkpoint("layer1")])

@@ -11,6 +11,8 @@ Example::
 # The package's face: everything public, imported from the layers below (select -> _rewrite ->
 # step -> transforms -> plan -> measure -> report -> processes -> fit -> compare -> autoplan -> cli); no module of
 # the package imports this one.
+import builtins as _builtins
+
 from . import transforms
 from ._rewrite import records, revert
 from .autoplan import autoplan
@@ -22,10 +24,13 @@ from .plan import Plan, PlanError, apply
 from .report import Report, Row
 from .select import SelectionError, select
 from .step import Step, registered
-from .transforms import *  # noqa: F403  (each family's __all__: steps, apply_* functions, modules)
 
-# Each step also reads as the call its text form writes: sw.checkpoint(...), sw.bn_act().
-globals().update({_cls.name: _cls for _cls in registered()})
+# One public name a step: the call its text form writes, sw.checkpoint(...), sw.bn_act(). The class
+# (Checkpoint, BnAct) is imported from its family module: shrinkwrap.transforms.checkpoint.Checkpoint.
+_CALLS = {_cls.name: _cls for _cls in registered()}
+_EXPORTS = [_name for _name in transforms.__all__ if getattr(transforms, _name) not in _CALLS.values()]
+globals().update({_name: getattr(transforms, _name) for _name in _EXPORTS})  # apply_* functions, modules
+globals().update(_CALLS)
 
 from ._version import __version__  # noqa: E402
 
@@ -34,6 +39,8 @@ __all__ = [
     "measure", "estimate", "Estimate", "Options", "plan_report", "ProgressBar", "Profile", "Phase", "Event", "ModuleLog",
     "Report", "Row", "saved_tensor_bytes", "SavedTensors", "Timing", "time_interleaved", "autoplan", "fit",
     "trains_under", "Fit", "Probe",
-    *transforms.__all__,
-    *(_cls.name for _cls in registered()),
+    *_EXPORTS,
+    # A call name that is also one of Python's builtins (compile) stays out: `from shrinkwrap import *`
+    # would rebind it. It is written shrinkwrap.compile(...), as in a plan's text.
+    *(_name for _name in _CALLS if not hasattr(_builtins, _name)),
 ]
