@@ -119,7 +119,8 @@ class Case:
     step: sw.Step
     inputs: Callable[[], dict]  # a training forward's keyword arguments
     refused: tuple[Callable[[], nn.Module], Callable[[], sw.Step]]  # a model and a step it refuses
-    output: Callable[[Any, dict], torch.Tensor] = lambda out, inputs: out  # what is compared; its squares sum to the loss
+    # What is compared of the model's output (its squares sum to the loss), given the inputs.
+    output: Callable[[Any, dict], torch.Tensor] = lambda out, inputs: out
     exact: dict = dataclasses.field(default_factory=dict)  # the tolerance: none, bit for bit
     kept: dict = dataclasses.field(default_factory=dict)  # the tolerance on state_dict values after apply
     # For a step that applies each gradient inside backward and drops it: the plain loop's optimizer
