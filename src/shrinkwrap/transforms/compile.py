@@ -10,8 +10,8 @@ nothing, and each region of ``pattern`` are compiled through a call of this pack
 (regional compilation), and the rest of the model runs eagerly: for a part the compiler makes
 worse than eager. Inductor traces BERT's attention (a padding mask and attention dropout) into
 unfused math that keeps the probabilities and the dropout mask, where eager runs a fused kernel;
-compiling every part of the layer but ``attention.self`` keeps the fused kernel (benchmarks/RESULTS.md,
-What fits: bert's best plan). A whole model shares dynamo's limit of
+compiling every part of the layer but ``attention.self`` keeps the fused kernel
+(benchmarks/RESULTS.md, What fits: bert's best plan). A whole model shares dynamo's limit of
 recompiles with every other compiled through ``nn.Module._call_impl``, as under
 ``nn.Module.compile``: past eight models of other structures compiled in one process, the next
 runs eagerly, with a warning in torch's log (``measure`` raises where that happens as it
@@ -124,8 +124,7 @@ def _replaying_once(compiled: Any) -> Any:
     without checkpoint (a region that reads a Python value it changes is then compiled again at
     every step, as that model would be). The setting is read as dynamo traces, which happens
     inside the call, and is none of dynamo's guards (a model sharing code compiled for another
-    runs that code); setting it and putting it back took 6 us a call on a CPU core of a CI
-    machine."""
+    runs that code); setting it and putting it back costs microseconds a call."""
     import torch._dynamo.config as config
 
     if not hasattr(config, _SIDE_EFFECTS):
