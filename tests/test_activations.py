@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shrinkwrap as sw
-from shrinkwrap.transforms.activations import _BatchNormActFunction, _SwishFunction
+from shrinkwrap.transforms.activations.bn_act import _BatchNormActFunction
+from shrinkwrap.transforms.activations.efficient_swish import _SwishFunction
 
 F64 = torch.float64
 
@@ -605,7 +606,7 @@ def test_close_decides_as_assert_close_does_at_each_dtypes_tolerance(dtype):
     """_close is assert_close's test at its default tolerance (float64's tightened to 1e-12 and
     1e-14) without the message: the same verdict on pairs either side of the tolerance, NaN,
     infinity, and shape or dtype unlike."""
-    from shrinkwrap.transforms.activations import _close
+    from shrinkwrap.transforms.activations.recognise import _close
 
     # assert_close's defaults, and float64's tightened: fixed here, not read from the code tested
     rtol, atol = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
@@ -637,7 +638,7 @@ def test_torchs_inert_modules_are_not_probed_and_probing_them_finds_no_kind(monk
     """Each of torch's stateless modules taken as computing none of the kinds, probed, computes none
     (so skipping the probe changes no answer); then it is not probed, while nn.GELU('tanh'), a
     subclass of one, and a hand-written Swish still are."""
-    from shrinkwrap.transforms import activations as act
+    from shrinkwrap.transforms.activations import recognise as act
 
     modules = [cls() for cls in act._INERT if cls not in (nn.Softmax, nn.LogSoftmax, nn.AdaptiveAvgPool1d,
                                                            nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AvgPool1d,

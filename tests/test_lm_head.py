@@ -1,4 +1,4 @@
-"""chunked_loss: a causal LM's head and loss chunk by chunk over tokens (transforms/lm_head.py)."""
+"""chunked_loss: a causal LM's head and loss chunk by chunk over tokens (transforms/lm_head/)."""
 
 from __future__ import annotations
 

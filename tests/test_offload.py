@@ -111,17 +111,17 @@ def test_parameters_and_their_views_are_never_offloaded(one_thread):
     _, model = pair(r"\d", make=mlp, keep_last=False, min_bytes=0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stored = []
-    orig = off._Held.__init__
+    orig = off._OffloadedTensor.__init__
 
     def spy(self, t, device, region):
         stored.append(t)
         orig(self, t, device, region)
 
-    off._Held.__init__ = spy
+    off._OffloadedTensor.__init__ = spy
     try:
         run(model, torch.randn(8, 64, dtype=torch.float64))
     finally:
-        off._Held.__init__ = orig
+        off._OffloadedTensor.__init__ = orig
     assert stored and all(t.untyped_storage().data_ptr() not in params for t in stored)
     sizes = {t.shape for t in stored}
     assert torch.Size([64, 64]) not in sizes  # weights (and weight.t() views) stayed
@@ -193,18 +193,18 @@ def test_inside_checkpoint_region_is_passed_over():
 def test_prefetch_brings_the_previous_region_back_ahead(one_thread):
     _, model = pair(r"\d", make=mlp, keep_last=False, min_bytes=1024)
     fetched = []
-    orig = off._Held.fetch
+    orig = off._OffloadedTensor.fetch
 
     def spy(self):
         if self.ready is None:
             fetched.append(self.region._sw_name)
         orig(self)
 
-    off._Held.fetch = spy
+    off._OffloadedTensor.fetch = spy
     try:
         run(model, torch.randn(32, 64, dtype=torch.float64))
     finally:
-        off._Held.fetch = orig
+        off._OffloadedTensor.fetch = orig
     # Backward reaches region 4 (the head) first: its first unpack starts all of its own copies
     # back, then all of region 3's; region 3's first unpack starts region 2's, and so on.
     runs = [f for i, f in enumerate(fetched) if i == 0 or fetched[i - 1] != f]
@@ -217,7 +217,7 @@ def test_a_region_nothing_prefetched_starts_all_its_copies_back_at_its_first_unp
     # later tensors arrive while the first is in use, not one after another on demand.
     _, model = pair(r"0", make=mlp, keep_last=False, min_bytes=1024)
     events = []
-    fetch, take = off._Held.fetch, off._Held.take
+    fetch, take = off._OffloadedTensor.fetch, off._OffloadedTensor.take
 
     def spy_fetch(self):
         if self.ready is None:
@@ -228,11 +228,11 @@ def test_a_region_nothing_prefetched_starts_all_its_copies_back_at_its_first_unp
         events.append("take")
         return take(self)
 
-    off._Held.fetch, off._Held.take = spy_fetch, spy_take
+    off._OffloadedTensor.fetch, off._OffloadedTensor.take = spy_fetch, spy_take
     try:
         run(model, torch.randn(32, 64, dtype=torch.float64))
     finally:
-        off._Held.fetch, off._Held.take = fetch, take
+        off._OffloadedTensor.fetch, off._OffloadedTensor.take = fetch, take
     n = model[0].traffic.tensors_offloaded
     assert n >= 2
     assert events == ["fetch"] * n + ["take"] * n

@@ -87,7 +87,8 @@ class Row:
     ``fit``: the smallest memory cap under which it trained (:func:`shrinkwrap.fit`), where tested;
     ``trained_under``: a cap it trained under (autoplan's check of its budget); ``time_ratio``: its
     step time over the baseline's, timed in turns with it in one process, where it was (the
-    figure the report shows then: rows timed apart drift 10-20% on a shared GPU).
+    figure the report shows then: rows timed apart drift on a shared GPU; benchmarks/RESULTS.md,
+    Timing in turns).
     """
 
     plan: Plan
@@ -158,8 +159,8 @@ class Report:
             return p.saved
         # What training needs gets through its first step too: a chain checkpoint's first forward
         # runs its members plainly (it watches how the parent calls them), so its activations are
-        # all kept once. On an H100 (torch 2.11) resnet18 @128 with the stem chained and bf16 peaked
-        # at 1692 MiB in its first step and 1068 in the steady one; it did not train under 1488.
+        # all kept once: such a plan's first step can peak well above its steady one and not train
+        # under the steady figure (docs/measuring.md).
         return p.peak if p.peak is None or p.first_peak is None else max(p.peak, p.first_peak)
 
     def value(self, row: Row) -> int | None:

@@ -8,10 +8,10 @@ with it; a module whose forward is torch's own (an ``nn.Sequential``), where tha
 nothing, and each region of ``pattern`` are compiled through a call of this package's own (see
 ``_entered``). With ``pattern`` it compiles the selected modules instead, each in place
 (regional compilation), and the rest of the model runs eagerly: for a part the compiler makes
-worse than eager. On torch 2.11 with an H100, inductor traces BERT's attention (a padding mask
-and attention dropout) into unfused math that keeps the probabilities and the dropout mask, 10.5
-GB more activation at 32 x 512 tokens than eager's fused kernel; compiling every part of the
-layer but ``attention.self`` keeps the fused kernel. A whole model shares dynamo's limit of
+worse than eager. Inductor traces BERT's attention (a padding mask and attention dropout) into
+unfused math that keeps the probabilities and the dropout mask, where eager runs a fused kernel;
+compiling every part of the layer but ``attention.self`` keeps the fused kernel
+(benchmarks/RESULTS.md, What fits: bert's best plan). A whole model shares dynamo's limit of
 recompiles with every other compiled through ``nn.Module._call_impl``, as under
 ``nn.Module.compile``: past eight models of other structures compiled in one process, the next
 runs eagerly, with a warning in torch's log (``measure`` raises where that happens as it
@@ -99,9 +99,8 @@ def _entered(call: Any) -> Any:
     recompiles (8) per code object. Sequentials of different contents sharing one would leave
     all but eight of them eager, silently, and so would ``pattern``'s regions through
     ``nn.Module._call_impl``, the one every module's call shares (blocks of other shapes, beyond
-    eight; on an H100, torch 2.11, efficientnet_b0's 14 blocks of its own classes met that limit,
-    and swin_t's were recompiled for dynamic shapes and had taken no step in 400 s, where a code
-    object each compiled them in 106 s). A whole model keeps ``nn.Module._call_impl``, as
+    eight: efficientnet_b0's blocks of its own classes meet that limit, and swin_t's are recompiled
+    for dynamic shapes, far slower than a code object each; docs/steps/compile.md). A whole model keeps ``nn.Module._call_impl``, as
     ``nn.Module.compile`` does: there dynamo guards the model's hooks, and a second model of one
     plan runs the code compiled for the first (each module's own frame would trace it again, and
     one frame shared by alike modules would not see a hook on one of them)."""
@@ -125,8 +124,7 @@ def _replaying_once(compiled: Any) -> Any:
     without checkpoint (a region that reads a Python value it changes is then compiled again at
     every step, as that model would be). The setting is read as dynamo traces, which happens
     inside the call, and is none of dynamo's guards (a model sharing code compiled for another
-    runs that code); setting it and putting it back took 6 us a call on a CPU core of a CI
-    machine."""
+    runs that code); setting it and putting it back costs microseconds a call."""
     import torch._dynamo.config as config
 
     if not hasattr(config, _SIDE_EFFECTS):

@@ -22,13 +22,12 @@ torch.compile: the inputs are converted by a forward of the root's own (see
 a few input channels: resnet's 7x7 over RGB) as the same sums over the input's 2x2 space-to-depth
 rearrangement: a stride-1 convolution over 4x the channels with a kernel half the size
 (:class:`SpaceToDepthConv`). cuDNN runs a 3-channel convolution far from the tensor cores' speed;
-the rearranged one, its channels zero-padded to a multiple of 8, runs faster (resnet18 @128, bf16,
-channels_last, H200, torch 2.11, 2026-11-26: forward 0.33 ms against 0.89, weight gradient 0.47
-against 0.58). It pays most where the convolution runs twice, under a
-``checkpoint('conv1')`` region. Exact, not bit for bit (the sums are added in another order);
+the rearranged one, its channels zero-padded to a multiple of 8, runs faster in channels_last
+(benchmarks/RESULTS.md, Per model: resnet18's s2d rows). It pays most where the convolution runs
+twice, under a ``checkpoint('conv1')`` region. Exact, not bit for bit (the sums are added in another order);
 it saves no memory. The rearranged input takes the layout torch's convolution would give its
-output: contiguous (NCHW) for a contiguous input and weight, where the same probe measured the
-form slower (1.89 ms against 1.26), so use it with ``channels_last()``.
+output: contiguous (NCHW) for a contiguous input and weight, where the form is slower than the
+plain convolution, so use it with ``channels_last()``.
 """
 
 from __future__ import annotations

@@ -14,11 +14,10 @@ backward copies it back. Everything else (small tensors, parameters, buffers) st
 - Streams (CUDA): the side stream waits for the compute stream before each copy, and the GPU
   tensor is marked as in use on the side stream (``record_stream``), so the allocator reuses its
   memory only once the copy is done, while the forward goes on without waiting for it (waiting at
-  the region's end cost the forward the whole transfer: about 16 ms per Llama block of 1.1 GB on
-  an H100). Host copies go to pinned memory, so the copies run asynchronously. Memory the
-  allocator cannot reuse yet is not counted as allocated, and while it waits the allocator asks
-  the driver for more: the reserved bytes can exceed the plain model's (a 12-block MLP on an H100:
-  2432 MiB reserved against 2000 plain, 384 MiB allocated against 1840). Under a cap the allocator
+  the region's end would cost the forward the whole transfer). Host copies go to pinned memory, so
+  the copies run asynchronously. Memory the allocator cannot reuse yet is not counted as
+  allocated, and while it waits the allocator asks the driver for more: the reserved bytes can
+  exceed the plain model's while the allocated ones are far lower (docs/steps/offload.md). Under a cap the allocator
   waits for the copies before it gives up, so what fits is what ``max_memory_allocated`` says;
   the forward then waits for the copies.
 - Prefetch: in backward, the first tensor a region asks for starts the copies back of all its own
@@ -104,7 +103,7 @@ def _dense(t: torch.Tensor) -> bool:
     return t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()])
 
 
-class _Held:
+class _OffloadedTensor:
     """A saved tensor's stand-in while it waits on the CPU: the copy, and where it goes back."""
 
     __slots__ = ("stored", "device", "ready", "event", "region", "__weakref__")
@@ -146,7 +145,7 @@ class _Schedule:
         # Weak references: a graph that is dropped frees its CPU copies.
         self.order: list[tuple["OffloadModule", list[weakref.ref]]] = []
 
-    def ran(self, region: "OffloadModule", held: list[_Held]) -> None:
+    def ran(self, region: "OffloadModule", held: list[_OffloadedTensor]) -> None:
         if any(r is region for r, _ in self.order):  # a new iteration (or the region runs twice)
             self.order = []
         self.order.append((region, [weakref.ref(h) for h in held]))
@@ -219,7 +218,7 @@ class OffloadModule(TransparentWrapper):
             return inner(*args, **kwargs)
         refuse_functorch(f"offloaded module {self._sw_name!r}", "offload moves what the module saves for backward")
         own = {t.untyped_storage().data_ptr() for t in (*inner.parameters(), *inner.buffers())}
-        held: list[_Held] = []
+        held: list[_OffloadedTensor] = []
         reached = [False]
 
         def pack(t: torch.Tensor) -> Any:
@@ -239,14 +238,14 @@ class OffloadModule(TransparentWrapper):
                 t.record_stream(side)  # its memory is reused only after the copy
             else:
                 stored = torch.empty_like(t, device="cpu").copy_(t)
-            h = _Held(stored, t.device, self)
+            h = _OffloadedTensor(stored, t.device, self)
             held.append(h)
             self.traffic.offloaded += t.nbytes
             self.traffic.tensors_offloaded += 1
             return h
 
         def unpack(h: Any) -> torch.Tensor:
-            if not isinstance(h, _Held):
+            if not isinstance(h, _OffloadedTensor):
                 return h
             if not reached[0]:
                 reached[0] = True

@@ -80,7 +80,7 @@ def _loss(out: Any) -> Any:
 def _outputs(out: Any, dtype: torch.dtype, keep_output_dtype: bool) -> Any:
     """Floating outputs in ``dtype`` cast back to float32, unless ``keep_output_dtype``, and
     unless the output carries its loss: then training reads the loss, and a float32 copy of the
-    logits beside it (a GPT-2 batch's are 785 MiB) would be waste; only the loss is cast."""
+    logits beside it (batch x sequence x vocabulary floats) would be waste; only the loss is cast."""
     if keep_output_dtype:
         return out
     loss = _loss(out)

@@ -31,7 +31,7 @@ from .. import _rewrite
 from .._wrapper import TransparentWrapper, functorch_level, has_hooks
 from ..select import Pattern, SelectionError, require_module, select
 from ..step import Candidate, Context, Step, Targets
-from .activations import _activation_kind
+from .activations.recognise import _activation_kind
 
 aten = torch.ops.aten
 _PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
