@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import HandAutocast, ratio_table, torch_checkpoint_blocks, with_timings  # noqa: E402
+from harness import HandAutocast, ratio_table, torch_checkpoint_blocks, with_timings  # noqa: E402
 from shrinkwrap import parallel  # noqa: E402
 
 BLOCKS = r"(?:model\.)?transformer\.h\.\d+"  # the blocks to shard, under HandAutocast's wrapper too

@@ -9,14 +9,14 @@ Each model runs in a process of its own, one a GPU, as many side by side as ``--
 it, ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``),
 eager, lossy steps allowed, the two calls sharing one cache; with ``--compile`` also
 ``compile=True`` at 1.0 (``auto_compile``). Its own seconds are kept. Then every row is measured
-in that process (``run.measure_same_run``: memory one row at a time, activation = peak less what
+in that process (``harness.measure_same_run``: memory one row at a time, activation = peak less what
 was allocated before; step times in turns): fp32 as it is (``base_fp32``), ``compile+bf16``,
 every block checkpointed with torch's ``checkpoint_wrapper`` under bf16 autocast
 (``ckpt_every_block+bf16``; the blocks are the classes named in ``ZOO``, as a user names them),
 the same compiled, and compile + bf16 with the partitioner's ``activation_memory_budget=0.5``
 (``compile_budget0.5+bf16``, measured last: the budget is a global setting, and reaches any later
 compilation in the process). An autoplan row is dominated by a row with at least 2% less activation
-whose slowest round is faster than its fastest (``frontier.dominated_by``). A model that fails, or
+whose slowest round is faster than its fastest (``harness.dominated_by``). A model that fails, or
 runs past ``--timeout``, is a row with its error. ``benchmarks/results.py`` makes the table of
 RESULTS.md from the rows.
 """
@@ -36,65 +36,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from frontier import dominated_by  # noqa: E402
-from run import ANCHORS, MODELS, HandAutocast, _load, compiled, measure_same_run  # noqa: E402
-from run import build as build_bench  # noqa: E402
+from harness import (ANCHORS, JSON_HELP, MODELS, ZOO, HandAutocast, compiled, dominated_by,  # noqa: E402
+                     load_rows, measure_same_run, save_rows, setup)
 
-BATCH = 64
-# torchvision name: the block classes a user would checkpoint
-ZOO: dict[str, tuple[str, ...]] = {
-    "resnet50": ("Bottleneck",),
-    "resnet101": ("Bottleneck",),
-    "resnext50_32x4d": ("Bottleneck",),
-    "wide_resnet50_2": ("Bottleneck",),
-    "densenet121": ("_DenseLayer",),
-    "googlenet": ("Inception",),
-    "inception_v3": ("InceptionA", "InceptionB", "InceptionC", "InceptionD", "InceptionE"),
-    "mobilenet_v2": ("InvertedResidual",),
-    "mobilenet_v3_large": ("InvertedResidual",),
-    "mnasnet1_0": ("_InvertedResidual",),
-    "shufflenet_v2_x1_0": ("InvertedResidual",),
-    "squeezenet1_1": ("Fire",),
-    "efficientnet_v2_s": ("MBConv", "FusedMBConv"),
-    "regnet_y_1_6gf": ("ResBottleneckBlock",),
-    "convnext_tiny": ("CNBlock",),
-    "swin_t": ("SwinTransformerBlock",),
-    "swin_v2_t": ("SwinTransformerBlockV2",),
-    "vit_b_16": ("EncoderBlock",),
-    "maxvit_t": ("MaxVitLayer",),
-    "mobilenet_v3_small": ("InvertedResidual",),
-}
-SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
 ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
 
 
-def build_zoo(name: str) -> nn.Module:
-    """A fresh torchvision model on the GPU (module-level: autoplan sends it to fresh processes)."""
-    import torchvision
-
-    torch.manual_seed(0)
-    return torchvision.models.get_model(name, weights=None).cuda()
-
-
-def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
-    """The model's factory, its batch (seeded, on the CPU) and its block classes."""
-    if name in MODELS:
-        _, batch = _load(name, MODELS[name][1])
-        return functools.partial(build_bench, name), batch, MODELS[name][2]
-    shape = SHAPES.get(name, (3, 224, 224))
-    return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
-
-
 def recipes(make: Callable[[], nn.Module], blocks: tuple[str, ...]) -> dict[str, Callable[[], nn.Module]]:
-    """The one-line recipes, as users write them (``run.ANCHORS``, the same compiled, and compile +
+    """The one-line recipes, as users write them (``harness.ANCHORS``, the same compiled, and compile +
     bf16 under the partitioner's budget, last: a global setting)."""
     def anchor(name: str) -> Callable[[], nn.Module]:
         return lambda: ANCHORS[name](make(), blocks, None)
@@ -200,6 +156,50 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
     return rows
 
 
+def profile(args: argparse.Namespace) -> None:
+    """Where autoplan's own seconds go (``--profile MODEL``): one ``sw.autoplan`` call, under
+    cProfile unless ``--no-profile``. A diagnosis, not a benchmark: prints each stage as it starts
+    (seconds since the call began), autoplan's notes (its own time among them), then the functions
+    with the most cumulative time (building models, measuring iterations, subprocesses)."""
+    import cProfile
+    import pstats
+
+    from shrinkwrap.compare import measure_plans
+
+    make, batch, _ = setup(args.profile)
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+
+    def progress(i: int, n: int, text: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {i}/{n} {text}", flush=True)
+
+    if not args.no_profile:
+        profiler.enable()
+    plan, report = sw.autoplan(make, batch, max_slowdown=args.slowdown, allow_lossy=True, device="cuda",
+                               compile=args.compile, progress=progress)
+    profiler.disable()
+    print(f"{args.profile}: {plan} in {time.perf_counter() - started:.1f} s")
+    print("\n".join(report.notes))
+    answer = next(r for r in reversed(report.rows) if r.plan == plan)
+    print(f"answer: {report.value(answer) / 2**20:.1f} MiB, {answer.profile.step_ms:.1f} ms ({answer.role})")
+    print(f"rows measured {report.isolation}")
+    if args.dump and not args.no_profile:
+        profiler.dump_stats(args.dump)
+    if not args.no_profile:
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
+    if args.check_baseline:  # is a first row in this process what a fresh process sees?
+        fresh = measure_plans(make, [sw.Plan()], batch, isolate=True,
+                              options=sw.Options(device="cuda")).rows[0]
+        for where, row in (("autoplan's", report.rows[0]), ("fresh process", fresh)):
+            print(f"baseline, {where}: {report.value(row) / 2**20:.1f} MiB, {row.profile.step_ms:.1f} ms")
+
+
+
+def stopped(group: list[dict[str, Any]]) -> bool:
+    """A model's run that ended without rows: the run's deadline cut it, or it outran ``--timeout``."""
+    return all(r["config"] == "all" and (r.get("cut") or r["error"].startswith("timed out after")) for r in group)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", help="comma-separated: ZOO names and bench models (default: --all)")
@@ -211,9 +211,22 @@ def main() -> int:
     # on an H200 beside three other models.
     parser.add_argument("--timeout", type=float, help="seconds a model may take (default 900, 1800 with --compile)")
     parser.add_argument("--deadline", type=float, help="seconds from now after which nothing runs")
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="MODEL", help="where one autoplan call's seconds go, in this process")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="--profile: autoplan's max_slowdown")
+    parser.add_argument("--top", type=int, default=30, help="--profile: how many functions to print")
+    parser.add_argument("--sort", default="cumulative", help="--profile: pstats sort key: cumulative, tottime, ...")
+    parser.add_argument("--dump", help="--profile: also write the raw profile here, for pstats")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="--profile: autoplan's own time without cProfile, whose overhead falls on the Python "
+                             "side (copies of the model, module calls)")
+    parser.add_argument("--check-baseline", action="store_true",
+                        help="--profile: after autoplan, the baseline again in a fresh process, beside autoplan's")
     args = parser.parse_args()
+    if args.profile:
+        profile(args)
+        return 0
     if args.one:
         rows = one(args.one, args.rounds, args.compile)
     else:
@@ -225,8 +238,13 @@ def main() -> int:
         timeout = args.timeout or (1800 if args.compile else 900)
         rows = run_all(models, args.gpus.split(","), timeout, args.rounds, args.compile, args.deadline)
     if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        # A model's run replaces its earlier run's rows, but for one that ended without rows.
+        had = {r["model"] for r in load_rows(args.json) if r["config"] != "all"}
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by.setdefault(r["model"], []).append(r)
+        save_rows(args.json, [r for m, group in by.items() if not (m in had and stopped(group)) for r in group],
+                  key=lambda r: r["model"])
     if not args.one:
         from results import zoo_lines
 
