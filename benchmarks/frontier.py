@@ -10,8 +10,7 @@ measurements; its own seconds are recorded. Then every row (the anchors of ``har
 write them, the hand recipes eager and compiled, and the two plans) is measured in this process
 by ``harness.measure_same_run``: memory one configuration at a time, step times in turns. ``compile_budget0.5`` is left out: its budget is a global setting that
 would reach every later compilation in the process. torch's SAC planner (``auto_sac*``) runs only
-where ``--configs`` names it: it needs pulp and pwlf, and plans efficientnet_b0 for over three
-minutes.
+where ``--configs`` names it: it needs pulp and pwlf, and its planning of a model takes minutes.
 
 With ``--warm`` the compiled rows (all but autoplan's, whose compile stage compiles its own plans
 ahead) are first compiled side by side in processes of their own, before anything is timed; the
@@ -67,8 +66,8 @@ def compiled_rows(model_name: str, only: list[str] | None) -> list[str]:
 def warm(model_name: str, names: list[str], at_once: int = 4) -> None:
     """The compiled rows' first iterations, each in its own process, ``at_once`` side by side, before
     anything is timed on this GPU: what they compile lands in inductor's on-disk caches, and this
-    process then compiles those rows from there (resnet152's took 97-119 s each cold, 6-8 s from
-    the caches, on an H100). Nothing of theirs is measured."""
+    process then compiles those rows from there, a small share of a cold compilation's seconds
+    (RESULTS.md, a cold compilation). Nothing of theirs is measured."""
     started = time.perf_counter()
     extra = [a for p in PLANS.items() for a in ("--plan", "=".join(p))]
     done = fresh_processes([[__file__, "--model", model_name, "--warm-one", name, *extra] for name in names],

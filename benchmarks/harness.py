@@ -315,7 +315,7 @@ def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int 
 def same_run_main(doc: str, models: list[str], run: Callable[..., list[dict[str, Any]]],
                   table: Callable[[list[dict[str, Any]]], str], rounds: int) -> None:
     """The command line of the same-run scripts (frontier.py, lm.py): one model, every row in one
-    process, rows appended to ``--json``, the table printed."""
+    process, rows written to ``--json`` (:func:`save_rows`), the table printed."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(models))
     parser.add_argument("--rounds", type=int, default=rounds)

@@ -100,24 +100,26 @@ def fits_section() -> list[str]:
     body = []
     for r in sorted(rows, key=by_model):
         if "error" in r:
-            body.append([r["model"], r["config"], r["error"], *["-"] * 7])
+            body.append([r["model"], r["config"], r["error"], *["-"] * 8])
             continue
         est, anchor = r.get("estimate_mib"), anchors.get(r["model"])
         plan = code(r.get("plan")) if r.get("plan") != r["config"] else "-"  # an anchor's plan is its name
         body.append([r["model"], r["config"], plan, num(r["reading_mib"]), num(r["static_mib"]),
                      f"{num(r['fit_mib'])} ({num(r['fit_below_mib'])})", f"{r['fit_x_reading']:.3f}",
-                     ratio(r["fit_mib"], anchor and anchor["fit_mib"]),
+                     ratio(r["activation_mib"], anchor and anchor["activation_mib"]),
+                     ratio(r["fit_mib"] - r["static_mib"], anchor and anchor["fit_mib"] - anchor["static_mib"]),
                      f"{num(est)} ({ratio(est, r['reading_mib'], 3)})" if est else "-", gpu(r)])
     estimates = [apart[k] for k in apart]
     return section("What fits", rows, table(
         ["model", "config", "plan", "reading MiB", "static MiB", "fits in MiB (not under)", "fit x reading",
-         "fit x compile_bf16", "estimate MiB (x reading)", "GPU"], body),
+         "activation x compile_bf16", "fit above static x compile_bf16", "estimate MiB (x reading)", "GPU"], body),
         "Each configuration's reading (`shrinkwrap.measure`: the steady step's `max_memory_allocated`, in a fresh "
         "process) beside its fit (`shrinkwrap.fit`: the smallest allocator cap under which a fresh process trains its "
         "first 8 iterations, compilation included; the largest cap that failed in brackets) and its estimate "
         "(`shrinkwrap.estimate`, on the CPU" + (f": {run_line(estimates)[5:-1]}" if estimates else "") + "). "
         "`fp32_eager` is the model as it is, `compile_bf16` torch.compile with bf16 autocast by hand, `best` the "
-        "least-memory plan, `recipe` the eager hand recipe (`benchmarks/fits.py`).")
+        "least-memory plan, `recipe` the eager hand recipe (`benchmarks/fits.py`). Against compile_bf16: the "
+        "reading and the fit above static memory.")
 
 
 def autoplan_budget_section() -> list[str]:
@@ -142,6 +144,9 @@ def bill_kind(r: dict) -> str:
     return r.get("kind") or ("times" if "tokens_per_s" in r else "curves" if "losses" in r else "rows")
 
 
+TOKENS = 4 * 2048  # the bill's batch: tokens a step
+
+
 def bill_section() -> list[str]:
     rows = load("bill.json")
     mem = [r for r in rows if bill_kind(r) == "rows"]
@@ -149,16 +154,16 @@ def bill_section() -> list[str]:
     body = []
     for r in sorted(mem, key=lambda r: (r["model"] != "qwen05b", r["model"])):
         if "peak_mib" not in r:
-            body.append([r["model"], r["config"], r.get("error", "-"), *["-"] * 8])
+            body.append([r["model"], r["config"], r.get("error", "-"), *["-"] * 10])
             continue
         b = best.get(r["model"])
         body.append([r["model"], r["config"], code(r.get("plan")), num(r["peak_mib"]),
                      ratio(r["peak_mib"], b and b["peak_mib"]), num(r["parameters_mib"]), num(r["gradients_mib"]),
                      num(r["optimizer_state_mib"]), num(r["activations_mib"]), f"{r['bytes_per_parameter']:.2f}",
-                     num(r.get("step_ms"))])
+                     num(r.get("step_ms")), str(round(TOKENS / r["step_ms"] * 1e3)) if r.get("step_ms") else "-"])
     out = section("The whole memory bill", mem, table(
         ["model", "config", "plan", "peak MiB", "x best", "parameters", "gradients", "optimizer state",
-         "activations", "bytes/parameter", "step ms (its process)"], body),
+         "activations", "bytes/parameter", "step ms (its process)", "tokens/s"], body),
         "The steady step's peak of fine-tuning with AdamW, split by kind (activations: what the rest leaves), each "
         "row in a fresh process (`benchmarks/bill.py rows`, `headline` for llama3b): `qwen05b` is Qwen2-0.5B's "
         "shape (494M parameters, 151,936 vocabulary) at 4x2048 tokens, `llama3b` Llama-3.2-3B's (3.2B parameters). "
@@ -310,7 +315,7 @@ def zoo_lines(rows: list[dict]) -> list[str]:
 
 def latest_runs(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each model's rows of its latest run, so that an error row of an earlier run cannot hide a
-    later result: a run's rows lie together in the file (zoo.py appends a model's rows at once)
+    later result: a run's rows lie together in the file (zoo.py writes a model's rows at once)
     and name their run (``run``). A run stopped without rows (one error for the model: it outran
     ``--timeout``, or the run's deadline stopped it, ``cut``) does not replace an earlier run that
     has rows, nor does a cut run replace an earlier error; the latest such run of each model comes

@@ -207,8 +207,7 @@ def main() -> int:
     parser.add_argument("--gpus", default="0", help="comma-separated GPU indices, one model on each at a time")
     parser.add_argument("--compile", action="store_true", help="also autoplan with compile=True at 1.0x")
     parser.add_argument("--rounds", type=int, default=5)
-    # maxvit_t's rows with --compile (its three autoplan calls, then four compiled rows) outran 900 s
-    # on an H200 beside three other models.
+    # With --compile a model's three autoplan calls and four compiled rows can outrun the eager default.
     parser.add_argument("--timeout", type=float, help="seconds a model may take (default 900, 1800 with --compile)")
     parser.add_argument("--deadline", type=float, help="seconds from now after which nothing runs")
     parser.add_argument("--json", help=JSON_HELP)
