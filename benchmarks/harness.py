@@ -17,8 +17,13 @@ import argparse
 import datetime
 import functools
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -368,6 +373,69 @@ def last_row(process: subprocess.CompletedProcess) -> dict[str, Any]:
     if process.returncode == 0 and lines:
         return json.loads(lines[-1])
     return {"error": ((process.stderr or "").strip().splitlines() or [f"exit {process.returncode}"])[-1][:300]}
+
+
+@dataclass
+class Ended:
+    """A process :func:`on_gpus` ran, ended: by itself, or killed past its time (``late``; ``over``:
+    past ``timeout``, not the deadline)."""
+
+    name: str
+    gpu: str
+    returncode: int | None
+    seconds: float
+    late: bool
+    over: bool
+    stderr: str
+
+
+def on_gpus(commands: dict[str, list[str]], gpus: list[str], timeout: float, deadline: float | None,
+            ended: Callable[[Ended], None]) -> list[str]:
+    """Run each command (``python`` and ``commands[name]``) in a process of its own on one GPU
+    (``CUDA_VISIBLE_DEVICES``), one a GPU at a time, as many at once as ``gpus``.
+
+    A process that outruns ``timeout`` seconds, or the ``deadline`` (seconds from now), is killed
+    with its session (the processes it spawned go with it).
+
+    Args:
+        commands: name -> the arguments after the interpreter.
+        gpus: the GPU indices to run on.
+        timeout: the seconds a process may take.
+        deadline: seconds from now after which nothing starts and what runs is stopped, or None.
+        ended: called with each process as it ends (its stderr, whole).
+
+    Returns:
+        The names the deadline left unstarted.
+    """
+    waiting, free, unstarted = list(commands), list(gpus), []
+    running: dict[str, tuple[subprocess.Popen, str, str, float]] = {}
+    end = None if deadline is None else time.monotonic() + deadline
+    folder = tempfile.mkdtemp(prefix="on-gpus-")
+    while waiting or running:
+        while waiting and free and (end is None or time.monotonic() < end):
+            name, gpu = waiting.pop(0), free.pop(0)
+            log = os.path.join(folder, f"{name}.log")
+            with open(log, "w") as err:  # the child's stderr: its last line says why it failed
+                # A session of its own: the processes it spawns go with it when it is stopped.
+                running[name] = (subprocess.Popen([sys.executable, *commands[name]], stderr=err,
+                                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
+                                                  start_new_session=True), gpu, log, time.monotonic())
+        if end is not None and time.monotonic() >= end:
+            unstarted, waiting = unstarted + waiting, []
+        time.sleep(1)
+        for name, (process, gpu, log, started) in list(running.items()):
+            over = time.monotonic() - started > timeout
+            late = process.poll() is None and (over or (end is not None and time.monotonic() >= end))
+            if process.poll() is None and not late:
+                continue
+            if late:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            del running[name]
+            free.append(gpu)
+            ended(Ended(name, gpu, process.returncode, time.monotonic() - started, late, over,
+                        Path(log).read_text(errors="replace")))
+    return unstarted
 
 
 # -- the JSON rows ---------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ import functools
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
 from harness import (ANCHORS, JSON_HELP, MODELS, ZOO, HandAutocast, compiled, dominated_by,  # noqa: E402
-                     load_rows, measure_same_run, save_rows, setup)
+                     Ended, load_rows, measure_same_run, on_gpus, save_rows, setup)
 
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
 ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
@@ -102,57 +100,39 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             deadline: float | None) -> list[dict[str, Any]]:
     """Each model in a process of its own, one a GPU, as many at once as ``gpus``; a model that
     fails or outruns ``timeout`` (or the ``deadline``, seconds from now) is a row with its error."""
-    waiting, running, rows = list(models), {}, []
-    free = list(gpus)
+    rows: list[dict[str, Any]] = []
     run = time.strftime("%Y-%m-%dT%H:%M:%S")  # the rows' run, so a later one replaces it whole (results.py)
-    end = None if deadline is None else time.monotonic() + deadline
     folder = tempfile.mkdtemp(prefix="zoo-")
-    while waiting or running:
-        while waiting and free and (end is None or time.monotonic() < end):
-            name, gpu = waiting.pop(0), free.pop(0)
-            out = os.path.join(folder, f"{name}.json")
-            cmd = [sys.executable, __file__, "--one", name, "--rounds", str(rounds), "--json", out,
-                   *(["--compile"] if with_compile else [])]
-            with open(out + ".log", "w") as log:  # the child's stderr: its last line says why it failed
-                # A session of its own: autoplan's spawned processes go with it when it is stopped.
-                running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log,
-                                                  start_new_session=True), gpu, out, time.monotonic())
-        if end is not None and time.monotonic() >= end:
-            rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed", "cut": True}
-                     for n in waiting]
-            waiting = []
-        time.sleep(1)
-        for name, (process, gpu, out, started) in list(running.items()):
-            over = time.monotonic() - started > timeout
-            late = process.poll() is None and (over or (end is not None and time.monotonic() >= end))
-            if process.poll() is None and not late:
-                continue
-            if late:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            del running[name]
-            free.append(gpu)
-            got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
-                if os.path.exists(out) else []  # a line cut short by the kill is left out
-            said = [line for line in Path(out + ".log").read_text(errors="replace").splitlines() if line.strip()]
-            # "<model> <config>: <plan> (<s> s)", whole: a line cut short by the kill is left out
-            answered = [m for m in map(ANSWER.fullmatch, said) if m and m["model"] == name]
-            for m in answered:
-                print(m.string, file=sys.stderr, flush=True)
-            if not got:
-                # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
-                gave = [f"{m['config']} in {m['seconds']} s" for m in answered]
-                gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
-                why = (f"timed out after {time.monotonic() - started:.0f} s{gave}" if over else
-                       f"stopped at the run's deadline after {time.monotonic() - started:.0f} s{gave}") if late else \
-                    f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
-                # cut: stopped by the run's deadline, not the model's own failure or timeout. results.py
-                # keeps the model's earlier run for a cut run and for one that "timed out after" (its
-                # rows not measured), not for one that exited.
-                got = [{"model": name, "config": "all", "error": why, **({"cut": True} if late and not over else {})}]
-            rows += [{**r, "run": run} for r in got]
-            print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,
-                  flush=True)
+    outs = {name: os.path.join(folder, f"{name}.json") for name in models}
+    commands = {name: [__file__, "--one", name, "--rounds", str(rounds), "--json", out,
+                       *(["--compile"] if with_compile else [])] for name, out in outs.items()}
+
+    def ended(end: Ended) -> None:
+        name, out = end.name, outs[end.name]
+        got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
+            if os.path.exists(out) else []  # a line cut short by the kill is left out
+        said = [line for line in end.stderr.splitlines() if line.strip()]
+        # "<model> <config>: <plan> (<s> s)", whole: a line cut short by the kill is left out
+        answered = [m for m in map(ANSWER.fullmatch, said) if m and m["model"] == name]
+        for m in answered:
+            print(m.string, file=sys.stderr, flush=True)
+        if not got:
+            # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
+            gave = [f"{m['config']} in {m['seconds']} s" for m in answered]
+            gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
+            why = (f"timed out after {end.seconds:.0f} s{gave}" if end.over else
+                   f"stopped at the run's deadline after {end.seconds:.0f} s{gave}") if end.late else \
+                f"exit {end.returncode}: {said[-1][:200] if said else 'nothing said'}"
+            # cut: stopped by the run's deadline, not the model's own failure or timeout. results.py
+            # keeps the model's earlier run for a cut run and for one that "timed out after" (its
+            # rows not measured), not for one that exited.
+            got = [{"model": name, "config": "all", "error": why, **({"cut": True} if end.late and not end.over else {})}]
+        rows.extend({**r, "run": run} for r in got)
+        print(f"{name}: {len(got)} rows on GPU {end.gpu} in {end.seconds:.0f} s", file=sys.stderr, flush=True)
+
+    unstarted = on_gpus(commands, gpus, timeout, deadline, ended)
+    rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed", "cut": True, "run": run}
+             for n in unstarted]
     return rows
 
 
