@@ -6,9 +6,15 @@ measures them with :func:`measure_same_run` or :func:`fresh_processes`, and writ
 :func:`save_rows`: one row per configuration, a new run's row replacing the earlier one (the history
 is in git). ``benchmarks/results.py`` makes RESULTS.md from the rows.
 
-    from harness import MODELS, build, measure_same_run, save_rows
-    rows = measure_same_run("resnet18", {"base_fp32": lambda: build("resnet18")}, rounds=5)
+    from harness import ANCHORS, MODELS, build, measure_same_run, save_rows
+    CONFIGS = {"base_fp32": lambda: build("resnet18"),
+               "amp_bf16": lambda: ANCHORS["amp_bf16"](build("resnet18"), MODELS["resnet18"][2], None)}
+    rows = measure_same_run("resnet18", CONFIGS, rounds=5)
     save_rows("benchmarks/frontier.json", rows)
+
+A new benchmark is a script beside the others, copied from its nearest neighbour: its
+configurations as a dict at its top, ``--configs`` to pick some, ``--json`` to write their rows, and
+a section of ``results.py`` that renders the file.
 """
 
 from __future__ import annotations
@@ -71,8 +77,6 @@ RECIPES: dict[str, dict[str, str]] = {
         "fast_bf16_out": r"checkpoint(r'transformer\.h\.\d+'), autocast(torch.bfloat16, keep_output_dtype=True)",
     },
 }
-
-
 
 
 # -- the anchors: what users write by hand ---------------------------------------------------------
@@ -153,10 +157,9 @@ def recipes(model: str) -> dict[str, str]:
     return {**RECIPES[model], **{f"{name}_compiled": f"{text}, compile()" for name, text in RECIPES[model].items()}}
 
 
-
-
 # -- building the models ------------------------------------------------------------------------------
 def load_bench(model_name: str, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
+    """A bench model's factory and a batch of ``batch_size`` (``shrinkwrap.cli.load_model``)."""
     from shrinkwrap.cli import load_model
 
     return load_model(MODELS[model_name][0], (SEQ[model_name],) if model_name in SEQ else None, batch_size)
@@ -174,7 +177,6 @@ def build(model_name: str) -> nn.Module:
             # at every forward: a graph break under torch.compile in every compiled row.
             model.loss_type = "ForCausalLM"
     return model
-
 
 
 # -- the zoo: torchvision classifiers autoplan was not tuned on -------------------------------------
@@ -220,8 +222,6 @@ def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
         return functools.partial(build, name), batch, MODELS[name][2]
     shape = SHAPES.get(name, (3, 224, 224))
     return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
-
-
 
 
 # -- every configuration in one process ---------------------------------------------------------------
@@ -340,7 +340,6 @@ def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         return []
     return [r["config"] for r in rows if "step_ms_high" in r and r is not row
             and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
-
 
 
 # -- each row in a process of its own ------------------------------------------------------------------

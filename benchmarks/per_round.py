@@ -16,7 +16,6 @@ they spend doing it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowd
 from shrinkwrap.measure.step import Timing  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from harness import JSON_HELP, save_rows, setup  # noqa: E402
+from harness import JSON_HELP, run_stamp, save_rows, setup  # noqa: E402
 
 PLANS = {
     "maxvit_t": ["autocast(torch.bfloat16)", "channels_last(), autocast(torch.bfloat16)",
@@ -75,8 +74,7 @@ def collect(name: str) -> list[dict]:
                 base = [f if r % 2 == 0 else s for r, (f, s) in enumerate(zip(firsts, seconds))]
                 plan = [s if r % 2 == 0 else f for r, (f, s) in enumerate(zip(firsts, seconds))]
                 rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
-                             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                             "date": datetime.date.today().isoformat()})
+                             **run_stamp()})
     finally:
         measure_step._timed = timed
     return rows

@@ -4,6 +4,7 @@ bench models, each against the one-line recipes a user writes by hand.
     python benchmarks/zoo.py --models convnext_tiny,swin_t --gpus 0,1 --json benchmarks/zoo.json
     python benchmarks/zoo.py --all --gpus 0,1,2,3 --compile --json benchmarks/zoo.json
     python benchmarks/zoo.py --one convnext_tiny           # one model, in this process, on this GPU
+    python benchmarks/zoo.py --profile bert [--no-profile]  # where one autoplan call's seconds go
 
 Each model runs in a process of its own, one a GPU, as many side by side as ``--gpus`` names. In
 it, ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``),
