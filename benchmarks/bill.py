@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shrinkwrap as sw  # noqa: E402
-from harness import JSON_HELP, save_rows  # noqa: E402
+from harness import JSON_HELP, ROW_KEYS, save_rows  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 DEVICE = "cuda"
@@ -258,12 +258,6 @@ def curves(config_name: str, steps: int, names: list[str]) -> list[dict]:
     return out
 
 
-def row_key(r: dict[str, Any]) -> tuple:
-    """A row's configuration in bill.json: the model and row, and which of the script's measurements it is."""
-    what = r.get("kind") or ("times" if "tokens_per_s" in r else "curves" if "losses" in r else "rows")
-    return r["model"], r["config"], what, r.get("chunk_size")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate"])
@@ -297,7 +291,7 @@ def main() -> int:
         # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
         result = rows("llama3b", [n for n in names if n in HEADLINE], iterations=1, warmup=1)
     if args.json:
-        save_rows(args.json, result, key=row_key)
+        save_rows(args.json, result, key=ROW_KEYS["bill.json"])
     return 0
 
 

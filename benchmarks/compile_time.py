@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from harness import JSON_HELP, fresh_processes, last_row, save_rows, setup  # noqa: E402
+from harness import JSON_HELP, ROW_KEYS, fresh_processes, last_row, save_rows, setup  # noqa: E402
 from shrinkwrap.select import innermost_blocks, pattern_for  # noqa: E402
 from shrinkwrap.transforms.compile import _torchs_own  # noqa: E402
 
@@ -181,7 +181,7 @@ def main() -> int:
             parser.error(f"--hows takes some of {','.join(HOWS)}, got {args.hows}")
         rows = regions_run(args.model, args.hows.split(","))
         if args.json:
-            save_rows(args.json, rows, key=lambda r: (r["model"], r["how"]))
+            save_rows(args.json, rows, key=ROW_KEYS["compile_time.json"])
         return 0
     if args.model not in PLANS:
         parser.error(f"plans: a model of {', '.join(sorted(PLANS))}")
@@ -198,7 +198,7 @@ def main() -> int:
         for row in rows[-len(indices):]:
             print(json.dumps(row), flush=True)
     if args.json:
-        save_rows(args.json, rows, key=lambda r: (r["model"], r["run"], r["index"]))
+        save_rows(args.json, rows, key=ROW_KEYS["compile_plans.json"])
     return 0
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from harness import JSON_HELP, MODELS, RECIPES, HandAutocast, build, load_bench, save_rows  # noqa: E402
+from harness import JSON_HELP, MODELS, ROW_KEYS, RECIPES, HandAutocast, build, load_bench, save_rows  # noqa: E402
 
 MiB = 2**20
 # The plan each bench model's dominance claim rests on (RESULTS.md, "against compile + bf16").
@@ -133,12 +133,6 @@ def row(model_name: str, config: str, batch: Any) -> dict[str, Any]:
             "fit_seconds": round(fit.seconds, 1), **est}
 
 
-def row_key(r: dict[str, Any]) -> tuple:
-    """A row's configuration in fits.json: an estimate, an autoplan answer for a budget, or a reading with its fit."""
-    kind = r.get("kind")
-    return (r["model"], kind, r["budget"] if kind == "autoplan" else r["config"])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODELS))
@@ -158,14 +152,14 @@ def main() -> int:
                        "torch": torch.__version__, "date": datetime.date.today().isoformat()}
                 print(json.dumps(out), flush=True)
                 if args.json:
-                    save_rows(args.json, [out], key=row_key)
+                    save_rows(args.json, [out], key=ROW_KEYS["fits.json"])
         return 0
     rows = []
     for config in args.configs.split(","):
         rows.append(answer(args.model, batch, args.budget) if config == "autoplan" else row(args.model, config, batch))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
-            save_rows(args.json, rows[-1:], key=row_key)
+            save_rows(args.json, rows[-1:], key=ROW_KEYS["fits.json"])
     print(f"\n| model | config | reading MiB | static MiB | fits in MiB (not under) | fit x reading | probes | s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

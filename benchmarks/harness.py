@@ -452,8 +452,34 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def bill_kind(r: dict[str, Any]) -> str:
+    """Which of ``bill.py``'s measurements a row of bill.json is."""
+    return r.get("kind") or ("times" if "tokens_per_s" in r else "curves" if "losses" in r else "rows")
+
+
+def _model_config(r: dict[str, Any]) -> tuple:
+    return r.get("model"), r.get("config")
+
+
+# What names a row's configuration, in each benchmark's JSON file: a file holds one row of each.
+ROW_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    # an estimate, an autoplan answer for a budget, or a reading with its fit
+    "fits.json": lambda r: (r["model"], r.get("kind"), r["budget"] if r.get("kind") == "autoplan" else r["config"]),
+    # an estimate's plan names its chunk size
+    "bill.json": lambda r: (r["model"], r["config"], bill_kind(r), r["plan"] if bill_kind(r) == "estimate" else None),
+    "step_checks.json": _model_config,
+    "frontier.json": _model_config,
+    "zoo.json": _model_config,  # zoo.py replaces a model's rows whole: one run a model
+    "compile_time.json": lambda r: (r["model"], r["how"]),
+    "compile_plans.json": lambda r: (r["model"], r["run"], r["index"]),
+    "per_round.json": lambda r: (r["model"], r["plan"], r["timing"]),
+    "lm.json": _model_config,
+    "multigpu.json": _model_config,
+}
+
+
 def save_rows(path: str | Path, rows: Iterable[dict[str, Any]],
-              key: Callable[[dict[str, Any]], Any] = lambda r: (r.get("model"), r.get("config"))) -> None:
+              key: Callable[[dict[str, Any]], Any] = _model_config) -> None:
     """Write ``rows`` to ``path``, one JSON object a line: each replaces the file's rows of the same
     ``key`` (a configuration), so the file holds the current row of each. The rows' earlier runs are
     in git."""

@@ -31,7 +31,7 @@ from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowd
 from shrinkwrap.measure.step import Timing  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from harness import JSON_HELP, run_stamp, save_rows, setup  # noqa: E402
+from harness import JSON_HELP, ROW_KEYS, run_stamp, save_rows, setup  # noqa: E402
 
 PLANS = {
     "maxvit_t": ["autocast(torch.bfloat16)", "channels_last(), autocast(torch.bfloat16)",
@@ -128,7 +128,7 @@ def main() -> int:
         parser.error("needs CUDA")
     rows = collect(args.model)
     if args.json:
-        save_rows(args.json, rows, key=lambda r: (r["model"], r["plan"], r["timing"]))
+        save_rows(args.json, rows, key=ROW_KEYS["per_round.json"])
     for r in replayed(rows):
         print(f"{r['k']} iterations a round: {r['iterations']} iterations, {r['agree']}/{r['decisions']} agree "
               f"with the other timing, {r['undecided']} undecided")

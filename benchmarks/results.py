@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import load_rows  # noqa: E402
+from harness import bill_kind, load_rows  # noqa: E402
 
 OUT = HERE / "RESULTS.md"
 MODELS = ("resnet18", "efficientnet_b0", "resnet152", "gpt2", "bert")
@@ -140,10 +140,6 @@ def autoplan_budget_section() -> list[str]:
 
 
 # -- the whole memory bill ---------------------------------------------------------------------------
-def bill_kind(r: dict) -> str:
-    return r.get("kind") or ("times" if "tokens_per_s" in r else "curves" if "losses" in r else "rows")
-
-
 TOKENS = 4 * 2048  # the bill's batch: tokens a step
 
 

@@ -113,6 +113,8 @@ def test_every_json_file_is_rendered_and_every_plot_linked():
     finally:
         sys.path.remove(str(BENCH))
     assert sorted(p.name for p in BENCH.glob("*.json")) == sorted(RENDERED)
+    results_source = (BENCH / "results.py").read_text()
+    assert all(f'load("{name}")' in results_source for name in RENDERED)
     linked = "".join(p.read_text() for p in [BENCH / "RESULTS.md", ROOT / "README.md", *ROOT.glob("docs/**/*.md")])
     for image in [*BENCH.glob("*.png"), *BENCH.glob("*.svg")]:
         assert image.name in linked, f"{image.name} is linked from nowhere"
@@ -123,3 +125,27 @@ def test_no_results_paragraph_over_150_words():
     for paragraph in re.split(r"\n\s*\n", text):
         if not paragraph.lstrip().startswith(("|", "#")):
             assert len(paragraph.split()) <= 150, paragraph[:80]
+
+
+def test_a_json_file_holds_one_row_a_configuration():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness import ROW_KEYS, load_rows
+    finally:
+        sys.path.remove(str(BENCH))
+    assert sorted(ROW_KEYS) == sorted(p.name for p in BENCH.glob("*.json"))
+    for name, key in ROW_KEYS.items():
+        keys = [key(r) for r in load_rows(BENCH / name)]
+        assert len(keys) == len(set(keys)), f"{name} holds more than one row of a configuration"
+
+
+def test_a_new_row_replaces_the_row_of_its_configuration(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness import load_rows, save_rows
+    finally:
+        sys.path.remove(str(BENCH))
+    path = tmp_path / "rows.json"
+    save_rows(path, [{"model": "m", "config": "a", "ms": 1.0}, {"model": "m", "config": "b", "ms": 1.0}])
+    save_rows(path, [{"model": "m", "config": "a", "ms": 2.0}])
+    assert load_rows(path) == [{"model": "m", "config": "b", "ms": 1.0}, {"model": "m", "config": "a", "ms": 2.0}]
