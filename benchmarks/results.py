@@ -116,7 +116,8 @@ def fits_section() -> list[str]:
         "Each configuration's reading (`shrinkwrap.measure`: the steady step's `max_memory_allocated`, in a fresh "
         "process) beside its fit (`shrinkwrap.fit`: the smallest allocator cap under which a fresh process trains its "
         "first 8 iterations, compilation included; the largest cap that failed in brackets) and its estimate "
-        "(`shrinkwrap.estimate`, on the CPU" + (f": {run_line(estimates)[5:-1]}" if estimates else "") + "). "
+        "(`shrinkwrap.estimate`, on the CPU" + (f" with torch {', '.join(sorted({r['torch'] for r in estimates}))}"
+                                                 if estimates else "") + "). "
         "`fp32_eager` is the model as it is, `compile_bf16` torch.compile with bf16 autocast by hand, `best` the "
         "least-memory plan, `recipe` the eager hand recipe (`benchmarks/fits.py`). Against compile_bf16: the "
         "reading and the fit above static memory.")
@@ -304,7 +305,8 @@ def zoo_lines(rows: list[dict]) -> list[str]:
               "GPU"]
     out = table(heads, body)
     out += [f"Dominated: {len(dominated)} of {answers} answers" + (f" ({', '.join(dominated)})" if dominated else "")
-            + (f"; of the eager answers, {len(by_compiled)} only by a compiled row ({', '.join(by_compiled)})"
+            + ("; each only by a compiled row" if by_compiled and by_compiled == dominated else
+               f"; of the eager answers, {len(by_compiled)} only by a compiled row ({', '.join(by_compiled)})"
                if by_compiled else "") + ".", ""]
     return out
 
