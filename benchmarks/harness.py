@@ -469,6 +469,7 @@ ROW_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "bill.json": lambda r: (r["model"], r["config"], bill_kind(r), r["plan"] if bill_kind(r) == "estimate" else None),
     "step_checks.json": _model_config,
     "frontier.json": _model_config,
+    "graphs.json": _model_config,
     "zoo.json": _model_config,  # zoo.py replaces a model's rows whole: one run a model
     "compile_time.json": lambda r: (r["model"], r["how"]),
     "compile_plans.json": lambda r: (r["model"], r["run"], r["index"]),

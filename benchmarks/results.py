@@ -24,8 +24,8 @@ from harness import bill_kind, load_rows  # noqa: E402
 OUT = HERE / "RESULTS.md"
 MODELS = ("resnet18", "efficientnet_b0", "resnet152", "gpt2", "bert")
 # The JSON files and the sections that render them: a test checks every JSON file here is one of them.
-RENDERED = ("fits.json", "bill.json", "step_checks.json", "frontier.json", "zoo.json", "compile_time.json",
-            "compile_plans.json", "per_round.json", "lm.json", "multigpu.json")
+RENDERED = ("fits.json", "bill.json", "step_checks.json", "frontier.json", "graphs.json", "zoo.json",
+            "compile_time.json", "compile_plans.json", "per_round.json", "lm.json", "multigpu.json")
 
 
 def load(name: str) -> list[dict[str, Any]]:
@@ -236,8 +236,8 @@ def step_checks_section() -> list[str]:
 
 
 # -- activations per model: plans beside what users do ---------------------------------------------
-def frontier_section() -> list[str]:
-    rows = sorted(load("frontier.json"), key=by_model)
+def per_model_table(rows: list[dict]) -> list[str]:
+    """Rows of same-run tables (``frontier.py``), each x its model's compile + bf16 row of the same run."""
     anchors = {r["model"]: r for r in rows if r["config"] in ("compile+bf16", "compile_bf16") and "activation_mib" in r}
     body = []
     for r in rows:
@@ -248,14 +248,30 @@ def frontier_section() -> list[str]:
         body.append([r["model"], r["config"], code(r.get("plan")), num(r["activation_mib"]),
                      ratio(r["activation_mib"], anchor and anchor["activation_mib"]), spread(r),
                      ratio(r["step_ms"], anchor and anchor["step_ms"]), ", ".join(r.get("dominated_by") or []) or "-"])
-    return section("Per model: plans beside what users do", rows, table(
-        ["model", "config", "plan", "activation MiB", "x compile+bf16", "step ms (low-high)", "time x compile+bf16",
-         "dominated by"], body),
-        "Each bench model's anchors as users write them (`harness.ANCHORS`: bf16 autocast by hand, torch's "
-        "`checkpoint_wrapper` on every block, selective checkpointing, `torch.compile`), the hand recipes eager and "
-        "compiled, and autoplan's answers at `max_slowdown` 1.0 (`auto_fast`) and 1.5 (`auto_small`), a model's rows "
-        "in one process (`benchmarks/frontier.py`): activation = peak less static, step times in turns, both x "
-        "the same model's compile + bf16. Readings, not fits (see What fits).")
+    return table(["model", "config", "plan", "activation MiB", "x compile+bf16", "step ms (low-high)",
+                  "time x compile+bf16", "dominated by"], body)
+
+
+def frontier_section() -> list[str]:
+    rows = sorted(load("frontier.json"), key=by_model)
+    return section("Per model: plans beside what users do", rows, per_model_table(rows),
+                   "Each bench model's anchors as users write them (`harness.ANCHORS`: bf16 autocast by hand, torch's "
+                   "`checkpoint_wrapper` on every block, selective checkpointing, `torch.compile`), the hand recipes "
+                   "eager and compiled, and autoplan's answers at `max_slowdown` 1.0 (`auto_fast`) and 1.5 "
+                   "(`auto_small`), a model's rows in one process (`benchmarks/frontier.py`): activation = peak less "
+                   "static, step times in turns, both x the same model's compile + bf16. Readings, not fits (see "
+                   "What fits).")
+
+
+def graphs_section() -> list[str]:
+    rows = sorted(load("graphs.json"), key=by_model)
+    if not rows:
+        return []
+    return section("CUDA graphs: compiled plans under reduce-overhead", rows, per_model_table(rows),
+                   "Plans compiled with `mode='reduce-overhead'` (CUDA graphs) beside compile + bf16, a model's rows "
+                   "in one process (`frontier.py --configs ... --plan NAME=TEXT --json benchmarks/graphs.json`): "
+                   "activation = peak less static, the graphs' recorded allocations included; step times in turns. "
+                   "Readings, not fits: what a graphed plan needs to train is in What fits.")
 
 
 # -- autoplan on the zoo -----------------------------------------------------------------------------
@@ -444,8 +460,8 @@ def multigpu_section() -> list[str]:
         "torch's `checkpoint_wrapper`) beside plans; memory per rank, step times in turns in step on both ranks.")
 
 
-SECTIONS = (fits_section, autoplan_budget_section, bill_section, frontier_section, zoo_section, compile_time_section,
-            compile_plans_section, per_round_section, lm_section, multigpu_section)
+SECTIONS = (fits_section, autoplan_budget_section, bill_section, frontier_section, graphs_section, zoo_section,
+            compile_time_section, compile_plans_section, per_round_section, lm_section, multigpu_section)
 
 
 def make() -> str:
