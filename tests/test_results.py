@@ -149,3 +149,14 @@ def test_a_new_row_replaces_the_row_of_its_configuration(tmp_path):
     save_rows(path, [{"model": "m", "config": "a", "ms": 1.0}, {"model": "m", "config": "b", "ms": 1.0}])
     save_rows(path, [{"model": "m", "config": "a", "ms": 2.0}])
     assert load_rows(path) == [{"model": "m", "config": "b", "ms": 1.0}, {"model": "m", "config": "a", "ms": 2.0}]
+
+
+def test_every_results_anchor_linked_from_the_docs_exists():
+    def anchor(heading: str) -> str:  # GitHub's: lower case, punctuation dropped, spaces to hyphens
+        return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+    text = (BENCH / "RESULTS.md").read_text()
+    anchors = {anchor(line.lstrip("#").strip()) for line in text.splitlines() if line.startswith("#")}
+    for page in [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("src/**/*.py")]:
+        for link in re.findall(r"RESULTS\.md#([a-z0-9_-]+)", page.read_text()):
+            assert link in anchors, f"{page.relative_to(ROOT)} links RESULTS.md#{link}, which is no heading"
