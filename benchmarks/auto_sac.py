@@ -209,24 +209,3 @@ def describe(model: nn.Module) -> str:
     return ("auto-SAC: " + ", ".join(f"{k} {v}" for k, v in model.auto_sac.items())
             + (f"; not seen by the estimator, recomputed: {', '.join(unseen)}" if unseen else ""))
 
-
-if __name__ == "__main__":
-    # python benchmarks/auto_sac.py [--fp32] resnet18 bert ...: what the planner chooses for the
-    # suite's models, with statistics under bf16 autocast (or in float32).
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from run import MODELS, _load, build
-
-    dtype = None if "--fp32" in sys.argv else torch.bfloat16
-    for model_name in (a for a in sys.argv[1:] if a != "--fp32"):
-        batch = _load(model_name, MODELS[model_name][1])[1]
-        for share in (0.5, 0.25):
-            try:
-                model = torch_auto_sac(build(model_name), batch, share, dtype)
-                print(f"{model_name} {share}: {model.auto_sac_s} s, {model.auto_sac}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - each model's outcome is a line
-                print(f"{model_name} {share}: {type(exc).__name__}: {exc}", flush=True)
-            torch.cuda.empty_cache()

@@ -38,8 +38,10 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shrinkwrap as sw  # noqa: E402
+from harness import JSON_HELP, ROW_KEYS, save_rows  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 DEVICE = "cuda"
@@ -262,7 +264,7 @@ def main() -> int:
     parser.add_argument("--configs", help=f"the rows, comma-separated (default: {ROWS}; for curves {CURVES})")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--chunk-size", type=int, help="chunked_loss(chunk_size=N) in every plan")
     args = parser.parse_args()
     if args.chunk_size:
@@ -289,8 +291,7 @@ def main() -> int:
         # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
         result = rows("llama3b", [n for n in names if n in HEADLINE], iterations=1, warmup=1)
     if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in result)
+        save_rows(args.json, result, key=ROW_KEYS["bill.json"])
     return 0
 
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
 
 import shrinkwrap as sw  # noqa: E402
+from harness import fresh_processes  # noqa: E402
 from shrinkwrap.measure.first_use import recorded, replay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,8 +87,10 @@ def main() -> int:
         calls = os.path.join(folder, "calls.pkl")
         print(f"efficientnet_b0 @{args.batch}x{args.size} under {args.plan} on {DEVICE}, torch {torch.__version__}")
         for mode in ["record"] + ["cold", "replay"] * args.runs:
-            subprocess.run([sys.executable, __file__, "--one", mode, "--calls", calls, "--plan", args.plan,
-                            "--batch", str(args.batch), "--size", str(args.size)], check=True)
+            process = fresh_processes([[__file__, "--one", mode, "--calls", calls, "--plan", args.plan,
+                                        "--batch", str(args.batch), "--size", str(args.size)]], capture=False)[0]
+            if process.returncode:
+                return process.returncode
     return 0
 
 

@@ -10,7 +10,7 @@ first 8 iterations, compilation and recording included, bisected in fresh proces
 - ``fp32_eager``: the model as it is, the plain ``max_memory_allocated`` control;
 - ``compile_bf16``: ``torch.compile`` around a hand-written bf16 autocast, the anchor;
 - ``best``: the plan RESULTS.md names as the model's best against compile + bf16 (``BEST``);
-- ``recipe``: the hand recipe of checkpointed blocks and bf16 autocast, eager (``run.RECIPES``' small).
+- ``recipe``: the hand recipe of checkpointed blocks and bf16 autocast, eager (``harness.RECIPES``' small).
 
 ``--configs autoplan`` (not among the default ones) runs ``sw.autoplan`` with ``--budget`` (a share of
 the model's own reading, 0.5 by default; bf16 allowed) and writes its answer: the plan, its reading, the cap it
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import MODELS, RECIPES, HandAutocast, _load, build  # noqa: E402
+from harness import JSON_HELP, MODELS, ROW_KEYS, RECIPES, HandAutocast, build, load_bench, save_rows  # noqa: E402
 
 MiB = 2**20
 # The plan each bench model's dominance claim rests on (RESULTS.md, "against compile + bf16").
@@ -74,7 +74,7 @@ def estimated(model_name: str, config: str, batch: Any) -> dict[str, Any]:
     """The eager configurations' CUDA peak predicted on this host's CPU (shrinkwrap.estimate)."""
     if config not in ("fp32_eager", "recipe"):
         return {}
-    factory, _ = _load(model_name, 1)
+    factory, _ = load_bench(model_name, 1)
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -139,11 +139,11 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--budget", type=float, default=BUDGET,
                         help="autoplan's budget, a share of the model's reading as it is (--configs autoplan)")
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--estimate-only", action="store_true",
                         help="only the eager configurations' estimates, on this host's CPU (no GPU)")
     args = parser.parse_args()
-    _, batch = _load(args.model, MODELS[args.model][1])
+    _, batch = load_bench(args.model, MODELS[args.model][1])
     if args.estimate_only:
         for config in args.configs.split(","):
             est = estimated(args.model, config, batch)
@@ -152,16 +152,14 @@ def main() -> int:
                        "torch": torch.__version__, "date": datetime.date.today().isoformat()}
                 print(json.dumps(out), flush=True)
                 if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps(out) + "\n")
+                    save_rows(args.json, [out], key=ROW_KEYS["fits.json"])
         return 0
     rows = []
     for config in args.configs.split(","):
         rows.append(answer(args.model, batch, args.budget) if config == "autoplan" else row(args.model, config, batch))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rows[-1]) + "\n")
+            save_rows(args.json, rows[-1:], key=ROW_KEYS["fits.json"])
     print(f"\n| model | config | reading MiB | static MiB | fits in MiB (not under) | fit x reading | probes | s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

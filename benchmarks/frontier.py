@@ -6,12 +6,11 @@
 First ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``; with
 ``--configs``, only those of the two it names),
 lossy steps allowed, with its compile stage (``compile=True``), the second call reusing the first's
-measurements; its own seconds are recorded. Then every row (the anchors of ``run.py`` as users
+measurements; its own seconds are recorded. Then every row (the anchors of ``harness.ANCHORS`` as users
 write them, the hand recipes eager and compiled, and the two plans) is measured in this process
-by ``run.measure_same_run``: memory one configuration at a time, step times in turns. ``compile_budget0.5`` is left out: its budget is a global setting that
+by ``harness.measure_same_run``: memory one configuration at a time, step times in turns. ``compile_budget0.5`` is left out: its budget is a global setting that
 would reach every later compilation in the process. torch's SAC planner (``auto_sac*``) runs only
-where ``--configs`` names it: it needs pulp and pwlf, and plans efficientnet_b0 for over three
-minutes.
+where ``--configs`` names it: it needs pulp and pwlf, and its planning of a model takes minutes.
 
 With ``--warm`` the compiled rows (all but autoplan's, whose compile stage compiles its own plans
 ahead) are first compiled side by side in processes of their own, before anything is timed; the
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,26 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import (ANCHORS, MODELS, _load, breaks, build, measure_same_run, ratio_table, recipes,  # noqa: E402
-                 same_run_main)
+from harness import (ANCHORS, MODELS, breaks, build, dominated_by, fresh_processes, load_bench,  # noqa: E402
+                     measure_same_run, ratio_table, recipes, same_run_main)
 
 SLOWDOWNS = {"auto_fast": 1.0, "auto_small": 1.5}
 PLANS: dict[str, str] = {}  # --plan NAME=TEXT: more rows, such as an answer autoplan gave in an earlier call
 WARM = False  # --warm: compile the compiled rows ahead, side by side (see warm)
 
 
-def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """The configurations that dominate ``row``: less activation by more than 2%, and a slowest
-    round faster than ``row``'s fastest."""
-    if "step_ms_low" not in row:  # failed, or not timed
-        return []
-    return [r["config"] for r in rows if "step_ms_high" in r and r is not row
-            and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
-
-
 def makers_for(model_name: str, texts: dict[str, str], only: list[str] | None) -> dict[str, Callable[[], nn.Module]]:
     """The rows' model makers: the anchors, then the plans of ``texts`` (name -> plan text)."""
-    _, batch = _load(model_name, MODELS[model_name][1])
+    _, batch = load_bench(model_name, MODELS[model_name][1])
     blocks = MODELS[model_name][2]
     makers: dict[str, Callable[[], nn.Module]] = {
         name: functools.partial(lambda a: ANCHORS[a](build(model_name), blocks, batch), name)
@@ -77,39 +66,25 @@ def compiled_rows(model_name: str, only: list[str] | None) -> list[str]:
 def warm(model_name: str, names: list[str], at_once: int = 4) -> None:
     """The compiled rows' first iterations, each in its own process, ``at_once`` side by side, before
     anything is timed on this GPU: what they compile lands in inductor's on-disk caches, and this
-    process then compiles those rows from there (resnet152's took 97-119 s each cold, 6-8 s from
-    the caches, on an H100). Nothing of theirs is measured."""
+    process then compiles those rows from there, a small share of a cold compilation's seconds
+    (RESULTS.md, a cold compilation). Nothing of theirs is measured."""
     started = time.perf_counter()
     extra = [a for p in PLANS.items() for a in ("--plan", "=".join(p))]
-    waiting = list(names)
-    running: dict[str, subprocess.Popen] = {}
-    failed = []
-    try:
-        while waiting or running:
-            while waiting and len(running) < at_once:
-                name = waiting.pop(0)
-                running[name] = subprocess.Popen([sys.executable, __file__, "--model", model_name, "--warm-one", name,
-                                                  *extra])
-            time.sleep(1)
-            for name, process in list(running.items()):
-                if process.poll() is not None:
-                    del running[name]
-                    failed += [name] if process.returncode else []
-    finally:
-        for process in running.values():
-            process.kill()
+    done = fresh_processes([[__file__, "--model", model_name, "--warm-one", name, *extra] for name in names],
+                           at_once=at_once, capture=False)
+    failed = [name for name, process in zip(names, done) if process.returncode]
     print(f"warmed {len(names)} compiled rows, {at_once} at a time, in {time.perf_counter() - started:.1f} s"
           + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr, flush=True)
 
 
 def warm_one(model_name: str, name: str) -> None:
-    _, batch = _load(model_name, MODELS[model_name][1])
+    _, batch = load_bench(model_name, MODELS[model_name][1])
     model = makers_for(model_name, {**recipes(model_name), **PLANS}, [name])[name]()
     sw.time_interleaved({name: model}, batch, sw.Options(device="cuda", warmup=2), rounds=1, per_round=1)
 
 
 def run(model_name: str, rounds: int, only: list[str] | None = None) -> list[dict[str, Any]]:
-    _, batch = _load(model_name, MODELS[model_name][1])
+    _, batch = load_bench(model_name, MODELS[model_name][1])
     if WARM:
         warm(model_name, compiled_rows(model_name, only))
     cache: dict = {}

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import HandAutocast, same_run_main, with_timings  # noqa: E402
+from harness import HandAutocast, same_run_main, with_timings  # noqa: E402
 
 MODELS: dict[str, tuple[Callable[[], Any], int, int, str]] = {
     # name: (config factory, batch, sequence, the blocks' regex)
@@ -147,7 +147,7 @@ def build(name: str, weights: nn.Module | None) -> nn.Module:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
     if name == "gpt2":
-        model.loss_type = "ForCausalLM"  # else a warning at every forward breaks compiled graphs (run.py)
+        model.loss_type = "ForCausalLM"  # else a warning at every forward breaks compiled graphs (harness.build)
     if weights is not None:
         model.load_state_dict(weights.state_dict(keep_vars=True), assign=True)
         if config.tie_word_embeddings:

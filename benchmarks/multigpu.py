@@ -15,10 +15,9 @@ Rows: the user's hand recipes (``torch.autocast`` bf16 around the forward; the s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from run import HandAutocast, ratio_table, torch_checkpoint_blocks, with_timings  # noqa: E402
+from harness import JSON_HELP, HandAutocast, ratio_table, save_rows, torch_checkpoint_blocks, with_timings  # noqa: E402
 from shrinkwrap import parallel  # noqa: E402
 
 BLOCKS = r"(?:model\.)?transformer\.h\.\d+"  # the blocks to shard, under HandAutocast's wrapper too
@@ -64,7 +63,7 @@ def configurations(device: torch.device, small: bool = False) -> dict[str, Calla
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json")
+    p.add_argument("--json", help=JSON_HELP)
     p.add_argument("--small", action="store_true", help="a 2-layer model at 2 x 64 tokens: checks the script")
     args = p.parse_args()
     batch_size, seq = (2, 64) if args.small else (BATCH, SEQ)
@@ -90,8 +89,7 @@ def main() -> None:
     rows = with_timings(rows, times, 2, batch=batch_size, seq=seq, ranks=torch.distributed.get_world_size())
     if rank == 0:
         if args.json:
-            with open(args.json, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            save_rows(args.json, rows)
         for wrap in ("fsdp", "ddp"):
             some = [r for r in rows if r["config"].startswith(wrap)]
             print(ratio_table(some, {"hand bf16": f"{wrap}_hand_bf16", "hand bf16+ckpt": f"{wrap}_hand_bf16_ckpt"},

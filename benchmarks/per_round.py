@@ -4,7 +4,7 @@ is for 15 rounds of 6 iterations, every iteration's time kept; then autoplan's d
 at a time until decided, 15 at most) replayed on the first k iterations of each round.
 
     python benchmarks/per_round.py efficientnet_b0 --json benchmarks/per_round.json   # on CUDA
-    python benchmarks/results.py                                                     # the table
+    python benchmarks/results.py                                                       # the table
 
 Each plan is timed twice in one process. A decision made on one timing, at each of eight
 step-time limits, is checked against what the other timing says on all of its iterations (the
@@ -16,8 +16,6 @@ they spend doing it.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,9 +26,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from shrinkwrap.measure import step as harness  # noqa: E402
+from shrinkwrap.measure import step as measure_step  # noqa: E402
 from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowdown  # noqa: E402
 from shrinkwrap.measure.step import Timing  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from harness import JSON_HELP, ROW_KEYS, run_stamp, save_rows, setup  # noqa: E402
 
 PLANS = {
     "maxvit_t": ["autocast(torch.bfloat16)", "channels_last(), autocast(torch.bfloat16)",
@@ -51,18 +52,16 @@ TOLERANCE = 0.03
 def collect(name: str) -> list[dict]:
     """Every plan of ``name`` timed :data:`TIMINGS` times in turns with the model as it is: each
     iteration's milliseconds, a list a round, for both."""
-    from zoo import setup
-
     make, batch, _ = setup(name)
     times: list[list[float]] = []
-    timed = harness._timed
+    timed = measure_step._timed
 
     def kept(step, device, n):  # time_interleaved's rounds, each iteration's time kept
         out = timed(step, device, n)
         times.append(out)
         return out
 
-    harness._timed = kept
+    measure_step._timed = kept
     rows = []
     try:
         for text in PLANS[name]:
@@ -75,10 +74,9 @@ def collect(name: str) -> list[dict]:
                 base = [f if r % 2 == 0 else s for r, (f, s) in enumerate(zip(firsts, seconds))]
                 plan = [s if r % 2 == 0 else f for r, (f, s) in enumerate(zip(firsts, seconds))]
                 rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
-                             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                             "date": datetime.date.today().isoformat()})
+                             **run_stamp()})
     finally:
-        harness._timed = timed
+        measure_step._timed = timed
     return rows
 
 
@@ -124,15 +122,13 @@ def replayed(rows: list[dict], ks: tuple[int, ...] = (2, 3, 4, 5)) -> list[dict]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", choices=sorted(PLANS))
-    parser.add_argument("--json", type=Path, help="append the rows here (one JSON object a line)")
+    parser.add_argument("--json", type=Path, help=JSON_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
-    sys.path.insert(0, str(HERE))
     rows = collect(args.model)
     if args.json:
-        with args.json.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        save_rows(args.json, rows, key=ROW_KEYS["per_round.json"])
     for r in replayed(rows):
         print(f"{r['k']} iterations a round: {r['iterations']} iterations, {r['agree']}/{r['decisions']} agree "
               f"with the other timing, {r['undecided']} undecided")

@@ -4,19 +4,20 @@ bench models, each against the one-line recipes a user writes by hand.
     python benchmarks/zoo.py --models convnext_tiny,swin_t --gpus 0,1 --json benchmarks/zoo.json
     python benchmarks/zoo.py --all --gpus 0,1,2,3 --compile --json benchmarks/zoo.json
     python benchmarks/zoo.py --one convnext_tiny           # one model, in this process, on this GPU
+    python benchmarks/zoo.py --profile bert [--no-profile]  # where one autoplan call's seconds go
 
 Each model runs in a process of its own, one a GPU, as many side by side as ``--gpus`` names. In
 it, ``sw.autoplan`` answers for ``max_slowdown`` 1.0 (``auto_fast``) and 1.5 (``auto_small``),
 eager, lossy steps allowed, the two calls sharing one cache; with ``--compile`` also
 ``compile=True`` at 1.0 (``auto_compile``). Its own seconds are kept. Then every row is measured
-in that process (``run.measure_same_run``: memory one row at a time, activation = peak less what
+in that process (``harness.measure_same_run``: memory one row at a time, activation = peak less what
 was allocated before; step times in turns): fp32 as it is (``base_fp32``), ``compile+bf16``,
 every block checkpointed with torch's ``checkpoint_wrapper`` under bf16 autocast
 (``ckpt_every_block+bf16``; the blocks are the classes named in ``ZOO``, as a user names them),
 the same compiled, and compile + bf16 with the partitioner's ``activation_memory_budget=0.5``
 (``compile_budget0.5+bf16``, measured last: the budget is a global setting, and reaches any later
 compilation in the process). An autoplan row is dominated by a row with at least 2% less activation
-whose slowest round is faster than its fastest (``frontier.dominated_by``). A model that fails, or
+whose slowest round is faster than its fastest (``harness.dominated_by``). A model that fails, or
 runs past ``--timeout``, is a row with its error. ``benchmarks/results.py`` makes the table of
 RESULTS.md from the rows.
 """
@@ -28,73 +29,27 @@ import functools
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from frontier import dominated_by  # noqa: E402
-from run import ANCHORS, MODELS, HandAutocast, _load, compiled, measure_same_run  # noqa: E402
-from run import build as build_bench  # noqa: E402
+from harness import (ANCHORS, JSON_HELP, MODELS, ZOO, HandAutocast, compiled, dominated_by,  # noqa: E402
+                     Ended, load_rows, measure_same_run, on_gpus, save_rows, setup)
 
-BATCH = 64
-# torchvision name: the block classes a user would checkpoint
-ZOO: dict[str, tuple[str, ...]] = {
-    "resnet50": ("Bottleneck",),
-    "resnet101": ("Bottleneck",),
-    "resnext50_32x4d": ("Bottleneck",),
-    "wide_resnet50_2": ("Bottleneck",),
-    "densenet121": ("_DenseLayer",),
-    "googlenet": ("Inception",),
-    "inception_v3": ("InceptionA", "InceptionB", "InceptionC", "InceptionD", "InceptionE"),
-    "mobilenet_v2": ("InvertedResidual",),
-    "mobilenet_v3_large": ("InvertedResidual",),
-    "mnasnet1_0": ("_InvertedResidual",),
-    "shufflenet_v2_x1_0": ("InvertedResidual",),
-    "squeezenet1_1": ("Fire",),
-    "efficientnet_v2_s": ("MBConv", "FusedMBConv"),
-    "regnet_y_1_6gf": ("ResBottleneckBlock",),
-    "convnext_tiny": ("CNBlock",),
-    "swin_t": ("SwinTransformerBlock",),
-    "swin_v2_t": ("SwinTransformerBlockV2",),
-    "vit_b_16": ("EncoderBlock",),
-    "maxvit_t": ("MaxVitLayer",),
-    "mobilenet_v3_small": ("InvertedResidual",),
-}
-SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
 ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
 
 
-def build_zoo(name: str) -> nn.Module:
-    """A fresh torchvision model on the GPU (module-level: autoplan sends it to fresh processes)."""
-    import torchvision
-
-    torch.manual_seed(0)
-    return torchvision.models.get_model(name, weights=None).cuda()
-
-
-def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
-    """The model's factory, its batch (seeded, on the CPU) and its block classes."""
-    if name in MODELS:
-        _, batch = _load(name, MODELS[name][1])
-        return functools.partial(build_bench, name), batch, MODELS[name][2]
-    shape = SHAPES.get(name, (3, 224, 224))
-    return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
-
-
 def recipes(make: Callable[[], nn.Module], blocks: tuple[str, ...]) -> dict[str, Callable[[], nn.Module]]:
-    """The one-line recipes, as users write them (``run.ANCHORS``, the same compiled, and compile +
+    """The one-line recipes, as users write them (``harness.ANCHORS``, the same compiled, and compile +
     bf16 under the partitioner's budget, last: a global setting)."""
     def anchor(name: str) -> Callable[[], nn.Module]:
         return lambda: ANCHORS[name](make(), blocks, None)
@@ -146,58 +101,84 @@ def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, wit
             deadline: float | None) -> list[dict[str, Any]]:
     """Each model in a process of its own, one a GPU, as many at once as ``gpus``; a model that
     fails or outruns ``timeout`` (or the ``deadline``, seconds from now) is a row with its error."""
-    waiting, running, rows = list(models), {}, []
-    free = list(gpus)
+    rows: list[dict[str, Any]] = []
     run = time.strftime("%Y-%m-%dT%H:%M:%S")  # the rows' run, so a later one replaces it whole (results.py)
-    end = None if deadline is None else time.monotonic() + deadline
     folder = tempfile.mkdtemp(prefix="zoo-")
-    while waiting or running:
-        while waiting and free and (end is None or time.monotonic() < end):
-            name, gpu = waiting.pop(0), free.pop(0)
-            out = os.path.join(folder, f"{name}.json")
-            cmd = [sys.executable, __file__, "--one", name, "--rounds", str(rounds), "--json", out,
-                   *(["--compile"] if with_compile else [])]
-            with open(out + ".log", "w") as log:  # the child's stderr: its last line says why it failed
-                # A session of its own: autoplan's spawned processes go with it when it is stopped.
-                running[name] = (subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stderr=log,
-                                                  start_new_session=True), gpu, out, time.monotonic())
-        if end is not None and time.monotonic() >= end:
-            rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed", "cut": True}
-                     for n in waiting]
-            waiting = []
-        time.sleep(1)
-        for name, (process, gpu, out, started) in list(running.items()):
-            over = time.monotonic() - started > timeout
-            late = process.poll() is None and (over or (end is not None and time.monotonic() >= end))
-            if process.poll() is None and not late:
-                continue
-            if late:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            del running[name]
-            free.append(gpu)
-            got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
-                if os.path.exists(out) else []  # a line cut short by the kill is left out
-            said = [line for line in Path(out + ".log").read_text(errors="replace").splitlines() if line.strip()]
-            # "<model> <config>: <plan> (<s> s)", whole: a line cut short by the kill is left out
-            answered = [m for m in map(ANSWER.fullmatch, said) if m and m["model"] == name]
-            for m in answered:
-                print(m.string, file=sys.stderr, flush=True)
-            if not got:
-                # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
-                gave = [f"{m['config']} in {m['seconds']} s" for m in answered]
-                gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
-                why = (f"timed out after {time.monotonic() - started:.0f} s{gave}" if over else
-                       f"stopped at the run's deadline after {time.monotonic() - started:.0f} s{gave}") if late else \
-                    f"exit {process.returncode}: {said[-1][:200] if said else 'nothing said'}"
-                # cut: stopped by the run's deadline, not the model's own failure or timeout. results.py
-                # keeps the model's earlier run for a cut run and for one that "timed out after" (its
-                # rows not measured), not for one that exited.
-                got = [{"model": name, "config": "all", "error": why, **({"cut": True} if late and not over else {})}]
-            rows += [{**r, "run": run} for r in got]
-            print(f"{name}: {len(got)} rows on GPU {gpu} in {time.monotonic() - started:.0f} s", file=sys.stderr,
-                  flush=True)
+    outs = {name: os.path.join(folder, f"{name}.json") for name in models}
+    commands = {name: [__file__, "--one", name, "--rounds", str(rounds), "--json", out,
+                       *(["--compile"] if with_compile else [])] for name, out in outs.items()}
+
+    def ended(end: Ended) -> None:
+        name, out = end.name, outs[end.name]
+        got = [json.loads(line) for line in Path(out).read_text().splitlines() if line.endswith("}")] \
+            if os.path.exists(out) else []  # a line cut short by the kill is left out
+        said = [line for line in end.stderr.splitlines() if line.strip()]
+        # "<model> <config>: <plan> (<s> s)", whole: a line cut short by the kill is left out
+        answered = [m for m in map(ANSWER.fullmatch, said) if m and m["model"] == name]
+        for m in answered:
+            print(m.string, file=sys.stderr, flush=True)
+        if not got:
+            # Where a stopped model's time went: the autoplan answers it gave first, and their seconds.
+            gave = [f"{m['config']} in {m['seconds']} s" for m in answered]
+            gave = f"; it had answered {', '.join(gave)}" if gave else "; before autoplan's first answer"
+            why = (f"timed out after {end.seconds:.0f} s{gave}" if end.over else
+                   f"stopped at the run's deadline after {end.seconds:.0f} s{gave}") if end.late else \
+                f"exit {end.returncode}: {said[-1][:200] if said else 'nothing said'}"
+            # cut: stopped by the run's deadline, not the model's own failure or timeout. results.py
+            # keeps the model's earlier run for a cut run and for one that "timed out after" (its
+            # rows not measured), not for one that exited.
+            got = [{"model": name, "config": "all", "error": why, **({"cut": True} if end.late and not end.over else {})}]
+        rows.extend({**r, "run": run} for r in got)
+        print(f"{name}: {len(got)} rows on GPU {end.gpu} in {end.seconds:.0f} s", file=sys.stderr, flush=True)
+
+    unstarted = on_gpus(commands, gpus, timeout, deadline, ended)
+    rows += [{"model": n, "config": "all", "error": "not started: the run's deadline passed", "cut": True, "run": run}
+             for n in unstarted]
     return rows
+
+
+def profile(args: argparse.Namespace) -> None:
+    """Where autoplan's own seconds go (``--profile MODEL``): one ``sw.autoplan`` call, under
+    cProfile unless ``--no-profile``. A diagnosis, not a benchmark: prints each stage as it starts
+    (seconds since the call began), autoplan's notes (its own time among them), then the functions
+    with the most cumulative time (building models, measuring iterations, subprocesses)."""
+    import cProfile
+    import pstats
+
+    from shrinkwrap.compare import measure_plans
+
+    make, batch, _ = setup(args.profile)
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+
+    def progress(i: int, n: int, text: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {i}/{n} {text}", flush=True)
+
+    if not args.no_profile:
+        profiler.enable()
+    plan, report = sw.autoplan(make, batch, max_slowdown=args.slowdown, allow_lossy=True, device="cuda",
+                               compile=args.compile, progress=progress)
+    profiler.disable()
+    print(f"{args.profile}: {plan} in {time.perf_counter() - started:.1f} s")
+    print("\n".join(report.notes))
+    answer = next(r for r in reversed(report.rows) if r.plan == plan)
+    print(f"answer: {report.value(answer) / 2**20:.1f} MiB, {answer.profile.step_ms:.1f} ms ({answer.role})")
+    print(f"rows measured {report.isolation}")
+    if args.dump and not args.no_profile:
+        profiler.dump_stats(args.dump)
+    if not args.no_profile:
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
+    if args.check_baseline:  # is a first row in this process what a fresh process sees?
+        fresh = measure_plans(make, [sw.Plan()], batch, isolate=True,
+                              options=sw.Options(device="cuda")).rows[0]
+        for where, row in (("autoplan's", report.rows[0]), ("fresh process", fresh)):
+            print(f"baseline, {where}: {report.value(row) / 2**20:.1f} MiB, {row.profile.step_ms:.1f} ms")
+
+
+
+def stopped(group: list[dict[str, Any]]) -> bool:
+    """A model's run that ended without rows: the run's deadline cut it, or it outran ``--timeout``."""
+    return all(r["config"] == "all" and (r.get("cut") or r["error"].startswith("timed out after")) for r in group)
 
 
 def main() -> int:
@@ -207,13 +188,25 @@ def main() -> int:
     parser.add_argument("--gpus", default="0", help="comma-separated GPU indices, one model on each at a time")
     parser.add_argument("--compile", action="store_true", help="also autoplan with compile=True at 1.0x")
     parser.add_argument("--rounds", type=int, default=5)
-    # maxvit_t's rows with --compile (its three autoplan calls, then four compiled rows) outran 900 s
-    # on an H200 beside three other models.
+    # With --compile a model's three autoplan calls and four compiled rows can outrun the eager default.
     parser.add_argument("--timeout", type=float, help="seconds a model may take (default 900, 1800 with --compile)")
     parser.add_argument("--deadline", type=float, help="seconds from now after which nothing runs")
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="MODEL", help="where one autoplan call's seconds go, in this process")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="--profile: autoplan's max_slowdown")
+    parser.add_argument("--top", type=int, default=30, help="--profile: how many functions to print")
+    parser.add_argument("--sort", default="cumulative", help="--profile: pstats sort key: cumulative, tottime, ...")
+    parser.add_argument("--dump", help="--profile: also write the raw profile here, for pstats")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="--profile: autoplan's own time without cProfile, whose overhead falls on the Python "
+                             "side (copies of the model, module calls)")
+    parser.add_argument("--check-baseline", action="store_true",
+                        help="--profile: after autoplan, the baseline again in a fresh process, beside autoplan's")
     args = parser.parse_args()
+    if args.profile:
+        profile(args)
+        return 0
     if args.one:
         rows = one(args.one, args.rounds, args.compile)
     else:
@@ -225,8 +218,13 @@ def main() -> int:
         timeout = args.timeout or (1800 if args.compile else 900)
         rows = run_all(models, args.gpus.split(","), timeout, args.rounds, args.compile, args.deadline)
     if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        # A model's run replaces its earlier run's rows, but for one that ended without rows.
+        had = {r["model"] for r in load_rows(args.json) if r["config"] != "all"}
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by.setdefault(r["model"], []).append(r)
+        save_rows(args.json, [r for m, group in by.items() if not (m in had and stopped(group)) for r in group],
+                  key=lambda r: r["model"])
     if not args.one:
         from results import zoo_lines
 

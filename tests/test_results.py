@@ -1,11 +1,32 @@
 """benchmarks/RESULTS.md is what the JSON rows beside it make (benchmarks/results.py): a figure in it
-comes from a row with its GPU, torch version and date, and a row's newest figures replace its old."""
+comes from a row with its GPU, torch version and date, and a row's newest figures replace its old.
+And benchmarks/ keeps its house rules: one harness every script imports, at most ten scripts, no
+import circles, every JSON file rendered, no plot nothing links to, no paragraph over 150 words."""
 
+import ast
 import pathlib
+import re
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+MODULES = {p.stem: p for p in BENCH.glob("*.py")}
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+    """The benchmarks modules ``path`` imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names & set(MODULES)
+
+
+def _is_script(path: pathlib.Path) -> bool:
+    return path.suffix == ".sh" or "if __name__ == \"__main__\":" in path.read_text()
 
 
 def test_results_md_is_what_the_rows_make():
@@ -35,7 +56,7 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     assert cells[1:5] == ["0.30 @ 1.20", "none", "0.40 @ 1.80", "ckpt_every_block+bf16"]
     assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-2:] == ["40.0 / 75.0 / -", "H200"]
     assert any("| broken | error: timed out after 900 s" in line for line in lines)
-    assert "Dominated: 1 of 2 answers (m auto_small)." in lines[-2] and "m auto_small 75 s" in lines[-2]
+    assert lines[-2] == "Dominated: 1 of 2 answers (m auto_small)."
     # An eager answer that only a compiled row dominates is counted apart.
     rows[3] = row("auto_fast", 300.0, 12.0, dominated_by=["compile+bf16"], autoplan_s=40.0)
     assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-2]
@@ -59,3 +80,83 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     # A run that failed replaces the earlier one: the table shows the error.
     failed = [{"model": "broken", "config": "all", "error": "exit 1: RuntimeError: ...", "run": "last"}]
     assert latest_runs(rows + again + failed) == (rows[:-1] + failed, [])
+
+
+def test_the_benchmarks_import_no_circle():
+    graph = {name: _imported(path) - {name} for name, path in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import circle: {' -> '.join(path + (name,))}"
+        if name not in done:
+            for other in graph[name]:
+                visit(other, path + (name,))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+
+
+def test_at_most_ten_scripts_each_on_the_harness():
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and _is_script(p))
+    assert len(scripts) <= 10, scripts
+    assert "harness.py" not in scripts
+    for name in scripts:
+        if name.endswith(".py"):
+            assert "harness" in _imported(BENCH / name), f"{name} does not import the harness"
+
+
+def test_every_json_file_is_rendered_and_every_plot_linked():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from results import RENDERED
+    finally:
+        sys.path.remove(str(BENCH))
+    assert sorted(p.name for p in BENCH.glob("*.json")) == sorted(RENDERED)
+    results_source = (BENCH / "results.py").read_text()
+    assert all(f'load("{name}")' in results_source for name in RENDERED)
+    linked = "".join(p.read_text() for p in [BENCH / "RESULTS.md", ROOT / "README.md", *ROOT.glob("docs/**/*.md")])
+    for image in [*BENCH.glob("*.png"), *BENCH.glob("*.svg")]:
+        assert image.name in linked, f"{image.name} is linked from nowhere"
+
+
+def test_no_results_paragraph_over_150_words():
+    text = (BENCH / "RESULTS.md").read_text()
+    for paragraph in re.split(r"\n\s*\n", text):
+        if not paragraph.lstrip().startswith(("|", "#")):
+            assert len(paragraph.split()) <= 150, paragraph[:80]
+
+
+def test_a_json_file_holds_one_row_a_configuration():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness import ROW_KEYS, load_rows
+    finally:
+        sys.path.remove(str(BENCH))
+    assert sorted(ROW_KEYS) == sorted(p.name for p in BENCH.glob("*.json"))
+    for name, key in ROW_KEYS.items():
+        keys = [key(r) for r in load_rows(BENCH / name)]
+        assert len(keys) == len(set(keys)), f"{name} holds more than one row of a configuration"
+
+
+def test_a_new_row_replaces_the_row_of_its_configuration(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness import load_rows, save_rows
+    finally:
+        sys.path.remove(str(BENCH))
+    path = tmp_path / "rows.json"
+    save_rows(path, [{"model": "m", "config": "a", "ms": 1.0}, {"model": "m", "config": "b", "ms": 1.0}])
+    save_rows(path, [{"model": "m", "config": "a", "ms": 2.0}])
+    assert load_rows(path) == [{"model": "m", "config": "b", "ms": 1.0}, {"model": "m", "config": "a", "ms": 2.0}]
+
+
+def test_every_results_anchor_linked_from_the_docs_exists():
+    def anchor(heading: str) -> str:  # GitHub's: lower case, punctuation dropped, spaces to hyphens
+        return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+    text = (BENCH / "RESULTS.md").read_text()
+    anchors = {anchor(line.lstrip("#").strip()) for line in text.splitlines() if line.startswith("#")}
+    for page in [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("src/**/*.py")]:
+        for link in re.findall(r"RESULTS\.md#([a-z0-9_-]+)", page.read_text()):
+            assert link in anchors, f"{page.relative_to(ROOT)} links RESULTS.md#{link}, which is no heading"

@@ -1,21 +1,20 @@
-"""The benchmark suite: shrinkwrap beside what users would do instead, on one GPU, in one run.
+"""The benchmarks' shared harness: the models, the anchors users write by hand, the row measuring
+(every configuration in one process, or each in a process of its own) and the JSON rows.
 
-    python benchmarks/run.py --model resnet18            # one model, every configuration
-    python benchmarks/run.py --model bert --configs base_fp32,fast,small
-    python benchmarks/run.py --all                       # every model (several GPU runs' worth)
-    python benchmarks/run.py --report                    # results.json as a table, and plots
+A benchmark script lists its configurations as data (a dict of name -> plan text or model maker),
+measures them with :func:`measure_same_run` or :func:`fresh_processes`, and writes its rows with
+:func:`save_rows`: one row per configuration, a new run's row replacing the earlier one (the history
+is in git). ``benchmarks/results.py`` makes RESULTS.md from the rows.
 
-Each configuration runs in its own process (nothing cached by an earlier configuration leaks into
-a later row) and is measured by ``shrinkwrap.measure``: one training step (zero_grad, forward,
-loss, backward, AdamW step) after warm-up; peak = ``max_memory_allocated`` over the steady step,
-static = allocated before it, activation = peak - static, median step time. Results append to
-``benchmarks/results.json``, one object per row, each with the GPU, the torch version and the date.
+    from harness import ANCHORS, MODELS, build, measure_same_run, save_rows
+    CONFIGS = {"base_fp32": lambda: build("resnet18"),
+               "amp_bf16": lambda: ANCHORS["amp_bf16"](build("resnet18"), MODELS["resnet18"][2], None)}
+    rows = measure_same_run("resnet18", CONFIGS, rounds=5)
+    save_rows("benchmarks/frontier.json", rows)
 
-Anchors (``kind: "anchor"``) are the recipes of the project's anchor table (ANCHORS.md), written the way users write
-them by hand: ``torch.autocast`` around the forward, torch's own ``apply_activation_checkpointing``
-with ``checkpoint_wrapper``, selective checkpointing, ``torch.compile``; and torch's own automatic
-selective-checkpoint planner (``auto_sac.py``; it needs ``pulp`` and ``pwlf``). Shrinkwrap rows
-(``kind: "shrinkwrap"``) are plans, as text that ``shrinkwrap profile --plan`` accepts.
+A new benchmark is a script beside the others, copied from its nearest neighbour: its
+configurations as a dict at its top, ``--configs`` to pick some, ``--json`` to write their rows, and
+a section of ``results.py`` that renders the file.
 """
 
 from __future__ import annotations
@@ -25,16 +24,21 @@ import datetime
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results.json"
+sys.path.insert(0, str(HERE.parent / "src"))
+
 
 # name: (model spec for shrinkwrap.cli.load_model, batch size, block class names for the anchors)
 MODELS: dict[str, tuple[str, int, tuple[str, ...]]] = {
@@ -153,12 +157,9 @@ def recipes(model: str) -> dict[str, str]:
     return {**RECIPES[model], **{f"{name}_compiled": f"{text}, compile()" for name, text in RECIPES[model].items()}}
 
 
-def configurations(model: str) -> list[str]:
-    return list(ANCHORS) + list(recipes(model)) + ["auto"]
-
-
-# -- one configuration, in this process ---------------------------------------------------------------
-def _load(model_name: str, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
+# -- building the models ------------------------------------------------------------------------------
+def load_bench(model_name: str, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
+    """A bench model's factory and a batch of ``batch_size`` (``shrinkwrap.cli.load_model``)."""
     from shrinkwrap.cli import load_model
 
     return load_model(MODELS[model_name][0], (SEQ[model_name],) if model_name in SEQ else None, batch_size)
@@ -166,7 +167,7 @@ def _load(model_name: str, batch_size: int) -> tuple[Callable[[], nn.Module], An
 
 def build(model_name: str) -> nn.Module:
     """A fresh model on the GPU (module-level, so autoplan can send it to subprocesses)."""
-    factory, _ = _load(model_name, 1)
+    factory, _ = load_bench(model_name, 1)
     torch.manual_seed(0)
     model = factory().cuda()
     if model_name in SEQ:
@@ -178,144 +179,52 @@ def build(model_name: str) -> nn.Module:
     return model
 
 
-def _figures(prof: Any) -> dict[str, Any]:
-    mib = 2**20
-    return dict(
-        peak_mib=round(prof.peak / mib, 1),
-        static_mib=round(prof.static / mib, 1),
-        activation_mib=round((prof.peak - prof.static) / mib, 1),
-        step_ms=round(prof.step_ms, 2),
-        top_modules=[(n, round(b / mib, 1)) for n, b in prof.top_modules[:5]],
-        gpu=prof.device_name,
-        torch=prof.torch_version,
-        date=datetime.date.today().isoformat(),
-    )
+# -- the zoo: torchvision classifiers autoplan was not tuned on -------------------------------------
+BATCH = 64
+# torchvision name: the block classes a user would checkpoint
+ZOO: dict[str, tuple[str, ...]] = {
+    "resnet50": ("Bottleneck",),
+    "resnet101": ("Bottleneck",),
+    "resnext50_32x4d": ("Bottleneck",),
+    "wide_resnet50_2": ("Bottleneck",),
+    "densenet121": ("_DenseLayer",),
+    "googlenet": ("Inception",),
+    "inception_v3": ("InceptionA", "InceptionB", "InceptionC", "InceptionD", "InceptionE"),
+    "mobilenet_v2": ("InvertedResidual",),
+    "mobilenet_v3_large": ("InvertedResidual",),
+    "mnasnet1_0": ("_InvertedResidual",),
+    "shufflenet_v2_x1_0": ("InvertedResidual",),
+    "squeezenet1_1": ("Fire",),
+    "efficientnet_v2_s": ("MBConv", "FusedMBConv"),
+    "regnet_y_1_6gf": ("ResBottleneckBlock",),
+    "convnext_tiny": ("CNBlock",),
+    "swin_t": ("SwinTransformerBlock",),
+    "swin_v2_t": ("SwinTransformerBlockV2",),
+    "vit_b_16": ("EncoderBlock",),
+    "maxvit_t": ("MaxVitLayer",),
+    "mobilenet_v3_small": ("InvertedResidual",),
+}
+SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
 
 
-def run_one(model_name: str, config: str) -> list[dict[str, Any]]:
-    import shrinkwrap as sw
+def build_zoo(name: str) -> nn.Module:
+    """A fresh torchvision model on the GPU (module-level: autoplan sends it to fresh processes)."""
+    import torchvision
 
-    _, batch_size, blocks = MODELS[model_name]
-    batch = _load(model_name, batch_size)[1]
-    row: dict[str, Any] = {"model": model_name, "batch": batch_size, "config": config}
-    if config == "auto":
-        return run_autoplan(model_name, batch)
-    model = build(model_name)
-    if config in ANCHORS:
-        row.update(kind="anchor", plan=None)
-        model = ANCHORS[config](model, blocks, batch)
-    else:
-        plan = sw.Plan.parse(recipes(model_name)[config])
-        row.update(kind="shrinkwrap", plan=str(plan))
-        sw.apply(model, plan)
-    try:
-        prof = sw.measure(model, batch, iterations=8, warmup=3, device="cuda")
-    except torch.cuda.OutOfMemoryError as exc:
-        return [{**row, "error": f"out of memory: {str(exc).splitlines()[0]}"}]
-    return [{**row, **_figures(prof)}]
+    torch.manual_seed(0)
+    return torchvision.models.get_model(name, weights=None).cuda()
 
 
-def run_autoplan(model_name: str, batch: Any) -> list[dict[str, Any]]:
-    """autoplan with max_slowdown 1.0 (auto_fast) and 1.5 (auto_small), lossy steps allowed,
-    sharing the candidates' measurements; each row records the seconds autoplan took."""
-    import time
-
-    import shrinkwrap as sw
-
-    cache: dict = {}
-    rows = []
-    for config, slowdown in (("auto_fast", 1.0), ("auto_small", 1.5)):
-        t0 = time.perf_counter()
-        plan, report = sw.autoplan(functools.partial(build, model_name), batch, max_slowdown=slowdown,
-                                   allow_lossy=True, device="cuda", iterations=8, warmup=3, cache=cache)
-        seconds = time.perf_counter() - t0
-        final = next((r for r in report.rows[::-1] if r.plan == plan and r.role != "candidate"), report.rows[0])
-        row = {"model": model_name, "batch": MODELS[model_name][1], "config": config, "kind": "shrinkwrap",
-               "plan": str(plan), "autoplan_s": round(seconds, 1),
-               "candidates": sum(r.role == "candidate" for r in report.rows),
-               "notes": report.notes}
-        rows.append({**row, **_figures(final.profile)} if final.profile else {**row, "error": final.error})
-    return rows
+def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
+    """The model's factory, its batch (seeded, on the CPU) and its block classes."""
+    if name in MODELS:
+        _, batch = load_bench(name, MODELS[name][1])
+        return functools.partial(build, name), batch, MODELS[name][2]
+    shape = SHAPES.get(name, (3, 224, 224))
+    return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
 
 
-def run_model(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
-    rows = []
-    for i, config in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {model_name} {config}", file=sys.stderr, flush=True)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--one", model_name, config], capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")},
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-        if proc.returncode or not lines:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            new = [{"model": model_name, "config": config, "error": tail[:300]}]
-        else:
-            new = json.loads(lines[-1])
-        rows += new
-        with RESULTS.open("a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in new)
-    return rows
-
-
-# -- report ----------------------------------------------------------------------------------------------
-def load_results(path: Path = RESULTS) -> list[dict[str, Any]]:
-    """The newest row of each (model, config), in file order."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows[(row["model"], row["config"])] = row
-    return list(rows.values())
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    base = {r["model"]: r for r in rows if r["config"] == "base_fp32" and "error" not in r}
-    out = ["| model | batch | configuration | kind | peak MiB | static MiB | activation MiB | activation x base "
-           "| step ms | step x base | GPU | torch | date |", "|" + "---|" * 13]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['model']} | {r.get('batch', '')} | {r['config']} | {r.get('kind', '')} | "
-                       f"{r['error']} |||||||||")
-            continue
-        b = base.get(r["model"])
-        act = f"{r['activation_mib'] / b['activation_mib']:.2f}" if b else ""
-        step = f"{r['step_ms'] / b['step_ms']:.2f}" if b else ""
-        out.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['kind']} | {r['peak_mib']:.0f} | "
-                   f"{r['static_mib']:.0f} | {r['activation_mib']:.0f} | {act} | {r['step_ms']:.1f} | {step} | "
-                   f"{r['gpu']} | {r['torch']} | {r['date']} |")
-    plans = [r for r in rows if r.get("plan") and "error" not in r]
-    if plans:
-        out += ["", "| model | configuration | plan | autoplan seconds (candidates measured) |", "|---|---|---|---|"]
-        for r in plans:
-            auto = f"{r['autoplan_s']} ({r['candidates']})" if "autoplan_s" in r else ""
-            out.append(f"| {r['model']} | {r['config']} | `{r['plan']}` | {auto} |")
-    return "\n".join(out)
-
-
-def plot(rows: list[dict[str, Any]], model: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r["model"] != model or "error" in r:
-            continue
-        mark = "o" if r["kind"] == "anchor" else "*"
-        ax.scatter(r["step_ms"], r["peak_mib"], marker=mark, s=80 if mark == "*" else 40,
-                   color="tab:gray" if r["kind"] == "anchor" else "tab:red")
-        ax.annotate(r["config"], (r["step_ms"], r["peak_mib"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("step time (ms)")
-    ax.set_ylabel("peak memory (MiB)")
-    ax.set_title(f"{model}: anchors (o) and shrinkwrap (*)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+# -- every configuration in one process ---------------------------------------------------------------
 def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]], rounds: int,
                      plans: dict[str, str] | None = None, batch: Any = None) -> list[dict[str, Any]]:
     """Every configuration of one model in this process: memory from ``shrinkwrap.measure`` one at a
@@ -327,7 +236,7 @@ def measure_same_run(model_name: str, makers: dict[str, Callable[[], nn.Module]]
 
     size = MODELS[model_name][1] if model_name in MODELS else len(batch)
     if batch is None:
-        _, batch = _load(model_name, size)
+        _, batch = load_bench(model_name, size)
     options = sw.Options(device="cuda", iterations=3, warmup=3)
     models, rows = {}, []
     for name, make in makers.items():
@@ -410,54 +319,172 @@ def with_timings(rows: list[dict[str, Any]], times: dict[str, Any], digits: int 
 
 def same_run_main(doc: str, models: list[str], run: Callable[..., list[dict[str, Any]]],
                   table: Callable[[list[dict[str, Any]]], str], rounds: int) -> None:
-    """The command line of the same-run scripts (compiled.py, lm.py): one model, every row in one
-    process, rows appended to ``--json``, the table printed."""
+    """The command line of the same-run scripts (frontier.py, lm.py): one model, every row in one
+    process, rows written to ``--json`` (:func:`save_rows`), the table printed."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(models))
     parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--json", help="append the rows to this file, one JSON object a line")
+    parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
     args = parser.parse_args()
     rows = run(args.model, args.rounds, args.configs.split(",") if args.configs else None)
     if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        save_rows(args.json, rows)
     print(table(rows))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=list(MODELS))
-    p.add_argument("--configs", help="comma-separated configuration names (default: all)")
-    p.add_argument("--all", action="store_true", help="every model")
-    p.add_argument("--report", action="store_true", help="print the markdown table of results.json and write plots "
-                   "(benchmarks/results.py writes RESULTS.md)")
-    p.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.one:
-        print(json.dumps(run_one(*args.one)))  # a list of rows
-        return 0
-    if args.report:
-        rows = load_results()
-        text = table(rows)
-        print(text)
-        for model in sorted({r["model"] for r in rows}):
-            plot(rows, model, HERE / f"plot_{model}.png")
-        return 0
-    if not torch.cuda.is_available():
-        print("benchmarks/run.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    models = list(MODELS) if args.all else [args.model] if args.model else []
-    if not models:
-        p.error("give --model NAME, --all or --report")
-    for model in models:
-        configs = args.configs.split(",") if args.configs else configurations(model)
-        unknown = [c for c in configs if c not in configurations(model)]
-        if unknown:
-            p.error(f"unknown configuration(s) {unknown}; known: {configurations(model)}")
-        print(table(run_model(model, configs)))
-    return 0
+def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The configurations that dominate ``row``: less activation by more than 2%, and a slowest
+    round faster than ``row``'s fastest."""
+    if "step_ms_low" not in row:  # failed, or not timed
+        return []
+    return [r["config"] for r in rows if "step_ms_high" in r and r is not row
+            and r["activation_mib"] < 0.98 * row["activation_mib"] and r["step_ms_high"] < row["step_ms_low"]]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# -- each row in a process of its own ------------------------------------------------------------------
+def fresh_processes(commands: list[list[str]], at_once: int = 1, env: dict[str, str] | None = None,
+                    capture: bool = True) -> list[subprocess.CompletedProcess]:
+    """Run each command (``python SCRIPT ...``: a row that nothing cached by an earlier one may
+    reach) in a fresh process, ``at_once`` side by side, and return them in order, finished.
+
+    Args:
+        commands: the argument lists, each run with this interpreter (``sys.executable`` first).
+        at_once: how many run side by side.
+        env: the environment of every process (default: this one's).
+        capture: keep their stdout and stderr (else they go to this process's).
+
+    Returns:
+        One ``CompletedProcess`` a command, with its exit status and, captured, its output.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *cmd], env=env, capture_output=capture, text=True)
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:  # threads: each waits on its own process
+        return list(pool.map(one, commands))
+
+
+def last_row(process: subprocess.CompletedProcess) -> dict[str, Any]:
+    """The JSON row a fresh process printed last, or a row with its error (its last stderr line)."""
+    lines = [line for line in (process.stdout or "").splitlines() if line.startswith("{")]
+    if process.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {"error": ((process.stderr or "").strip().splitlines() or [f"exit {process.returncode}"])[-1][:300]}
+
+
+@dataclass
+class Ended:
+    """A process :func:`on_gpus` ran, ended: by itself, or killed past its time (``late``; ``over``:
+    past ``timeout``, not the deadline)."""
+
+    name: str
+    gpu: str
+    returncode: int | None
+    seconds: float
+    late: bool
+    over: bool
+    stderr: str
+
+
+def on_gpus(commands: dict[str, list[str]], gpus: list[str], timeout: float, deadline: float | None,
+            ended: Callable[[Ended], None]) -> list[str]:
+    """Run each command (``python`` and ``commands[name]``) in a process of its own on one GPU
+    (``CUDA_VISIBLE_DEVICES``), one a GPU at a time, as many at once as ``gpus``.
+
+    A process that outruns ``timeout`` seconds, or the ``deadline`` (seconds from now), is killed
+    with its session (the processes it spawned go with it).
+
+    Args:
+        commands: name -> the arguments after the interpreter.
+        gpus: the GPU indices to run on.
+        timeout: the seconds a process may take.
+        deadline: seconds from now after which nothing starts and what runs is stopped, or None.
+        ended: called with each process as it ends (its stderr, whole).
+
+    Returns:
+        The names the deadline left unstarted.
+    """
+    waiting, free, unstarted = list(commands), list(gpus), []
+    running: dict[str, tuple[subprocess.Popen, str, str, float]] = {}
+    end = None if deadline is None else time.monotonic() + deadline
+    folder = tempfile.mkdtemp(prefix="on-gpus-")
+    while waiting or running:
+        while waiting and free and (end is None or time.monotonic() < end):
+            name, gpu = waiting.pop(0), free.pop(0)
+            log = os.path.join(folder, f"{name}.log")
+            with open(log, "w") as err:  # the child's stderr: its last line says why it failed
+                # A session of its own: the processes it spawns go with it when it is stopped.
+                running[name] = (subprocess.Popen([sys.executable, *commands[name]], stderr=err,
+                                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
+                                                  start_new_session=True), gpu, log, time.monotonic())
+        if end is not None and time.monotonic() >= end:
+            unstarted, waiting = unstarted + waiting, []
+        time.sleep(1)
+        for name, (process, gpu, log, started) in list(running.items()):
+            over = time.monotonic() - started > timeout
+            late = process.poll() is None and (over or (end is not None and time.monotonic() >= end))
+            if process.poll() is None and not late:
+                continue
+            if late:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            del running[name]
+            free.append(gpu)
+            ended(Ended(name, gpu, process.returncode, time.monotonic() - started, late, over,
+                        Path(log).read_text(errors="replace")))
+    return unstarted
+
+
+# -- the JSON rows ---------------------------------------------------------------------------------------
+JSON_HELP = "write the rows to this file (one JSON object a line), replacing its rows of the same configurations"
+
+
+def run_stamp() -> dict[str, str]:
+    """What a row names of its run: the GPU, the torch version and the date."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def bill_kind(r: dict[str, Any]) -> str:
+    """Which of ``bill.py``'s measurements a row of bill.json is."""
+    return r.get("kind") or ("times" if "tokens_per_s" in r else "curves" if "losses" in r else "rows")
+
+
+def _model_config(r: dict[str, Any]) -> tuple:
+    return r.get("model"), r.get("config")
+
+
+# What names a row's configuration, in each benchmark's JSON file: a file holds one row of each.
+ROW_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    # an estimate, an autoplan answer for a budget, or a reading with its fit
+    "fits.json": lambda r: (r["model"], r.get("kind"), r["budget"] if r.get("kind") == "autoplan" else r["config"]),
+    # an estimate's plan names its chunk size
+    "bill.json": lambda r: (r["model"], r["config"], bill_kind(r), r["plan"] if bill_kind(r) == "estimate" else None),
+    "step_checks.json": _model_config,
+    "frontier.json": _model_config,
+    "graphs.json": _model_config,
+    "zoo.json": _model_config,  # zoo.py replaces a model's rows whole: one run a model
+    "compile_time.json": lambda r: (r["model"], r["how"]),
+    "compile_plans.json": lambda r: (r["model"], r["run"], r["index"]),
+    "per_round.json": lambda r: (r["model"], r["plan"], r["timing"]),
+    "lm.json": _model_config,
+    "multigpu.json": _model_config,
+}
+
+
+def save_rows(path: str | Path, rows: Iterable[dict[str, Any]],
+              key: Callable[[dict[str, Any]], Any] = _model_config) -> None:
+    """Write ``rows`` to ``path``, one JSON object a line: each replaces the file's rows of the same
+    ``key`` (a configuration), so the file holds the current row of each. The rows' earlier runs are
+    in git."""
+    rows = list(rows)
+    new = {key(r) for r in rows}
+    kept = [r for r in load_rows(path) if key(r) not in new]
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
