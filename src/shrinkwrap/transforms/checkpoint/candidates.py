@@ -13,7 +13,7 @@ from ...select import block_groups, has_params, pattern_for
 from ...step import Candidate, Context
 
 
-def candidates(cls: type, model: nn.Module, context: Context) -> list[Candidate]:
+def checkpoint_candidates(cls: type, model: nn.Module, context: Context) -> list[Candidate]:
     """Every stage of two or more same-type blocks (where it has a forward) and groups of its
     consecutive blocks; an inner stage (an EfficientNet stage inside ``features``, a ConvNeXt or
     Swin stage of blocks) gives the whole stage as one region and every block of it as a region

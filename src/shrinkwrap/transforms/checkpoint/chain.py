@@ -151,7 +151,6 @@ class ChainMember(CheckpointModule):
         return self._sw_chain.call(self._sw_index, args, kwargs)
 
 
-
 def _chains(model: nn.Module, names: list[str]) -> list[list[str]]:
     """``names`` (outermost, in ``named_modules`` order) as chains: runs of siblings adjacent in
     their parent's registration order. A name with no selected sibling next to it is an error."""

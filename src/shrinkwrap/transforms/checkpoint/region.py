@@ -70,7 +70,6 @@ def _uncached_autocast() -> contextlib.ExitStack:
     return stack
 
 
-
 def _checkpointed(fn: Callable[..., Any], named: list[tuple[str, nn.Module]], buffers: _Buffers, what: str,
                   clone: bool, args: tuple, kwargs: dict, keep: dict | None = None) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, with the eager safeguards

@@ -123,8 +123,8 @@ def selective(names: frozenset) -> dict:
         return {}
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, functools.partial(_save_policy, names))}
-
+    policy = functools.partial(_save_policy, names)
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
 
 
 class _KeptMutated:

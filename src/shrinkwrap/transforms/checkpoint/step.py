@@ -23,7 +23,7 @@ from ... import _rewrite
 from ..._wrapper import unwrap
 from ...select import Pattern, SelectionError, has_params, pattern_for, require_module
 from ...step import Candidate, Context, Step, Targets
-from .candidates import candidates
+from .candidates import checkpoint_candidates
 from .chain import ChainMember, _Chain, _chains
 from .region import CheckpointModule
 from .save import save_ops, selective
@@ -63,7 +63,6 @@ def _cache_hooks(model: nn.Module, regions: list[str]) -> tuple[list, list[str]]
         notes.append(f"{name or type(model).__name__} runs with use_cache=False in training: "
                      "the recompute would write its KV cache a second time")
     return undo, notes
-
 
 
 def _first_leaf(module: nn.Module) -> nn.Module:
@@ -182,8 +181,8 @@ class Checkpoint(Step):
 
     @classmethod
     def candidates(cls, model: nn.Module, context: Context) -> list[Candidate]:
-        """Stages, groups of blocks, blocks alone and a stem chain: see :func:`.candidates.candidates`."""
-        return candidates(cls, model, context)
+        """Stages, groups of blocks, blocks alone and a stem chain: see :func:`.candidates.checkpoint_candidates`."""
+        return checkpoint_candidates(cls, model, context)
 
 
 def apply_checkpoint(model: nn.Module, pattern: Pattern, *, clone_inputs: bool = False,
