@@ -58,8 +58,8 @@ def assert_trains_the_same(ref, model, x, steps=3):
 
 def spy_checkpoint(monkeypatch):
     calls = []
-    real = ckpt_mod._torch_checkpoint
-    monkeypatch.setattr(ckpt_mod, "_torch_checkpoint", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    real = ckpt_mod.region._torch_checkpoint
+    monkeypatch.setattr(ckpt_mod.region, "_torch_checkpoint", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     return calls
 
 

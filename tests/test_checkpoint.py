@@ -211,8 +211,8 @@ def test_hidden_in_place_input_change_is_named_at_the_first_forward():
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
 def test_no_checkpoint_outside_training(mode, monkeypatch):
     calls = []
-    real = ckpt_mod._torch_checkpoint
-    monkeypatch.setattr(ckpt_mod, "_torch_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ckpt_mod.region._torch_checkpoint
+    monkeypatch.setattr(ckpt_mod.region, "_torch_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     ref, model = pair()
     x = x64()
     ctx = {"eval": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
@@ -518,7 +518,7 @@ def test_a_random_operator_is_never_kept():
     with pytest.raises(ValueError, match="in place"):  # always failed in backward
         sw.checkpoint("0", save=("relu_",))
     # A fused attention with dropout draws: recomputed even where 'attention' is kept; without it, kept.
-    policy = ckpt_mod._keep
+    policy = ckpt_mod.save._save_policy
     ops = ckpt_mod.save_ops(("attention",))
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     q = torch.randn(1, 1, 4, 8)

@@ -102,4 +102,4 @@ def test_no_import_cycle():
 def test_the_checker_sees_imports_inside_functions():
     g = graph()
     assert "models" in g["cli"]          # imported inside a function in cli.py
-    assert "step" in g["transforms.checkpoint"]
+    assert "step" in g["transforms.checkpoint.step"]

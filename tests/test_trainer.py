@@ -56,7 +56,7 @@ def test_each_layer_is_checkpointed_once_with_or_without_the_trainer_s_gradient_
     forward, calls = mlp.forward, []
     # Counted in forward itself: torch's checkpoint does not run module hooks in its recompute.
     monkeypatch.setattr(mlp, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
-    ours = sys.modules["shrinkwrap.transforms.checkpoint"]
+    ours = sys.modules["shrinkwrap.transforms.checkpoint.region"]
     regions, checkpoint = [], ours._torch_checkpoint
     monkeypatch.setattr(ours, "_torch_checkpoint", lambda *a, **k: regions.append(1) or checkpoint(*a, **k))
     model = sw.apply(tiny_gpt2(), PLAN)
