@@ -1,5 +1,6 @@
-"""The transforms, one file per family. Importing a family registers its plan steps; its
-``__all__`` is what the package exports. A new family is a file here and its name below."""
+"""The transforms, one module per family (a file, or a package where a family has several
+concerns). Importing a family registers its plan steps; its ``__all__`` is what the package
+exports. A new family is a file here and its name below."""
 
 import importlib
 

@@ -119,7 +119,7 @@ def _replaying_once(compiled: Any) -> Any:
     effect (a module setting an attribute, or changing a list it holds). Without it dynamo cannot
     trace such a region: it breaks the graph there, and torch's checkpoint runs the region
     eagerly, outside the compiled graphs, and recomputes it eagerly in backward (see
-    ``checkpoint._Untraced``). Traced, the side effect happens once, in the forward, and the
+    ``checkpoint.region._Untraced``). Traced, the side effect happens once, in the forward, and the
     compiled backward recomputes the region's tensors without it: once a step, as in the model
     without checkpoint (a region that reads a Python value it changes is then compiled again at
     every step, as that model would be). The setting is read as dynamo traces, which happens
