@@ -61,7 +61,8 @@ def work(name: str, index: int) -> dict:
     from torch._dynamo.utils import compile_times, counters
 
     import shrinkwrap as sw
-    from shrinkwrap.measure.step import Options, _setup
+    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measure.step import _setup
     from shrinkwrap.processes import _build
     from zoo import setup
 

@@ -80,7 +80,8 @@ def memory_one(model_name: str, config: str, iterations: int = 2, warmup: int = 
     """One configuration in this (fresh) process: reserved and allocated peaks of steady iterations."""
     from torch._dynamo.utils import counters
 
-    from shrinkwrap.measure.step import _bytes, call_model, default_loss
+    from shrinkwrap.measure.sizes import _bytes
+    from shrinkwrap.measure.step import call_model, default_loss
 
     _, batch = _load(model_name, MODELS[model_name][1])
     batch = sw._tree.tree_map(lambda t: t.cuda(), batch)

@@ -28,9 +28,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from shrinkwrap.measure import step as harness  # noqa: E402
+from shrinkwrap.measure import turns as harness  # noqa: E402
 from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowdown  # noqa: E402
-from shrinkwrap.measure.step import Timing  # noqa: E402
+from shrinkwrap.measure.profile import Timing  # noqa: E402
 
 PLANS = {
     "maxvit_t": ["autocast(torch.bfloat16)", "channels_last(), autocast(torch.bfloat16)",
