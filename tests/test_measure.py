@@ -752,25 +752,45 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     assert second[2] < when and len(seconds) == 3 and all(s > 0 for s in seconds)
 
 
-def _slow_to_exit(make, plan, batch, options):
-    """``then`` of a process that takes 4 s to exit once told to (a finalizer, as a compiler's
-    worker pool shutting down)."""
-    import multiprocessing.util
+def _meet_on_exit(folder: str, count: int) -> None:
+    """A process's last act (a finalizer, as a compiler's worker pool shutting down): say it is
+    exiting, then wait until ``count`` processes are, and say whether they all met."""
+    mine = os.path.join(folder, str(os.getpid()))
+    open(mine + ".exiting", "w").close()
+    deadline = time.monotonic() + 60  # past compile_ahead's grace: a process left alone is terminated
+    while time.monotonic() < deadline:
+        if len([f for f in os.listdir(folder) if f.endswith(".exiting")]) == count:
+            open(mine + ".met", "w").close()
+            return
+        time.sleep(0.05)
 
-    multiprocessing.util.Finalize(None, time.sleep, args=(4,), exitpriority=0)
-    return time.time()
+
+class _MeetOnExit:
+    """``then`` of a process that, once told to exit, exits only beside the others."""
+
+    def __init__(self, folder: str, count: int) -> None:
+        self.folder, self.count = folder, count
+
+    def __call__(self, make, plan, batch, options):
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _meet_on_exit, args=(self.folder, self.count), exitpriority=0)
+        return os.getpid()
 
 
-def test_processes_ahead_whose_turns_end_together_exit_side_by_side():
+def test_processes_ahead_whose_turns_end_together_exit_side_by_side(tmp_path):
     from shrinkwrap.processes import compile_ahead
     from shrinkwrap.measure.profile import Options
 
     plans = [sw.Plan.parse("compile(backend='eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='eager')"),
              sw.Plan.parse("checkpoint('2'), compile(backend='eager')")]
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"),
-                                 then=_slow_to_exit)
-    # One after another, the last would be gone 12 s after its turn.
-    assert at_once == 3 and 4 <= time.time() - max(out) < 10
+                                 then=_MeetOnExit(str(tmp_path), len(plans)))
+    # Told to exit one after another, the first would wait alone until it was terminated, and
+    # only the last would see all three exiting.
+    met = sorted(int(f.name.split(".")[0]) for f in tmp_path.glob("*.met"))
+    assert at_once == 3
+    assert met == sorted(out), "the processes exited one after another, not side by side"
 
 
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():
