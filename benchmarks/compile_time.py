@@ -107,7 +107,8 @@ def plan_work(name: str, index: int) -> dict:
     started = time.perf_counter()
     from torch._dynamo.utils import compile_times, counters
 
-    from shrinkwrap.measure.step import Options, _setup
+    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measure.step import _setup
     from shrinkwrap.processes import _build
 
     make, batch, _ = setup(name)

@@ -26,9 +26,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from shrinkwrap.measure import step as measure_step  # noqa: E402
+from shrinkwrap.measure import turns as measure_turns  # noqa: E402
 from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowdown  # noqa: E402
-from shrinkwrap.measure.step import Timing  # noqa: E402
+from shrinkwrap.measure.profile import Timing  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from harness import JSON_HELP, ROW_KEYS, run_stamp, save_rows, setup  # noqa: E402
@@ -54,14 +54,14 @@ def collect(name: str) -> list[dict]:
     iteration's milliseconds, a list a round, for both."""
     make, batch, _ = setup(name)
     times: list[list[float]] = []
-    timed = measure_step._timed
+    timed = measure_turns._timed
 
     def kept(step, device, n):  # time_interleaved's rounds, each iteration's time kept
         out = timed(step, device, n)
         times.append(out)
         return out
 
-    measure_step._timed = kept
+    measure_turns._timed = kept
     rows = []
     try:
         for text in PLANS[name]:
@@ -76,7 +76,7 @@ def collect(name: str) -> list[dict]:
                 rows.append({"model": name, "plan": text, "timing": timing, "baseline_ms": base, "plan_ms": plan,
                              **run_stamp()})
     finally:
-        measure_step._timed = timed
+        measure_turns._timed = timed
     return rows
 
 

@@ -634,7 +634,7 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
     import sys
 
     from shrinkwrap.autoplan.stages import _Search
-    from shrinkwrap.measure import step as measure_step
+    from shrinkwrap.measure import turns as measure_turns
     from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided
     from shrinkwrap.report import Row
 
@@ -647,7 +647,7 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
         turns.append(step)
         return [next(plan_times) if pos == (1 if rnd % 2 == 0 else 0) else 10.0] * n
 
-    monkeypatch.setattr(measure_step, "_timed", fake_timed)
+    monkeypatch.setattr(measure_turns, "_timed", fake_timed)
     rows = ap._Rows(mlp, mlp(), BATCH, sw.Options(device="cpu", warmup=1, iterations=1), False, {}, None)
     search = _Search(rows, rows.probe, None, 1.0, 10.0, None, 10.0, False, False, 1.0)
     plan = sw.Plan.parse("checkpoint('1')")
@@ -1316,7 +1316,7 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
     import dataclasses
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     real = ap.measure_plans
@@ -1367,7 +1367,7 @@ def test_rows_an_earlier_call_verified_count_only_where_this_call_could_answer_w
 def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gpu(monkeypatch):
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cuda"), True, {})
@@ -1568,7 +1568,7 @@ def test_on_cuda_a_baseline_measured_first_with_nothing_on_the_gpu_reads_as_a_fr
 def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(monkeypatch):
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     warmups = []
@@ -1592,7 +1592,7 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
 def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are_read_from(cuda, monkeypatch):
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     events = []
@@ -1748,7 +1748,7 @@ def test_a_plan_over_its_limit_scales_every_region_priced_by_its_forward_by_what
 def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row_to_report():
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
@@ -1780,7 +1780,7 @@ def test_a_model_out_of_memory_as_it_is_is_an_error_that_names_the_fixes():
 def test_where_no_fresh_process_can_start_every_row_is_measured_here_and_the_header_says_so():
     import sys
 
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = ap._Rows(lambda: mlp(), mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
@@ -1965,7 +1965,7 @@ def test_on_cuda_a_primed_fresh_process_reads_the_same_row_without_cudnns_first_
     # a steady one, and what the row reads is the same to the byte.
     pytest.importorskip("torchvision")
     from shrinkwrap.autoplan.stages import _Rows
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     plan = sw.Plan.parse("channels_last(), autocast(torch.bfloat16)")
     batch = torch.randn(16, 3, 128, 128)

@@ -95,7 +95,7 @@ def test_the_step_in_backward_is_estimated_with_its_handle_and_no_gradient_term(
     assert plain.gradients == grads
     # Each gradient is dropped once its bucket is stepped: at most a bucket and one parameter's are
     # alive (a bucket: a sixteenth of the gradients here, 2 MiB).
-    from shrinkwrap.transforms.optimizer.handle import _SHARE
+    from shrinkwrap.transforms.optimizer.backward import _SHARE
 
     assert stepped.gradients <= grads // _SHARE + max(p.numel() * 4 for p in wide().parameters())
     assert stepped.peak <= plain.peak - 0.9 * grads, (stepped, plain)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.measure import ModuleLog, SavedTensors
-from shrinkwrap.measure import first_use, step
+from shrinkwrap.measure import first_use, graphs
 from shrinkwrap.measure.step import default_loss
 
 FAST = dict(iterations=1, warmup=1, device="cpu")
@@ -450,7 +450,7 @@ def test_a_plan_timed_against_the_baseline_runs_rounds_of_per_round_iterations_w
 def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_recompute():
     import time
 
-    from shrinkwrap.measure.step import forward_times
+    from shrinkwrap.measure.turns import forward_times
 
     class Slow(nn.Module):
         def __init__(self, seconds):
@@ -474,7 +474,7 @@ def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_rec
 def test_restored_gives_gradients_back_without_holding_them_meanwhile():
     import weakref
 
-    from shrinkwrap.measure.step import restored
+    from shrinkwrap.measure.restore import restored
 
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -494,7 +494,7 @@ def test_restored_gives_gradients_back_without_holding_them_meanwhile():
 def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_closed():
     from shrinkwrap.compare import measure_plans
     from shrinkwrap.processes import FreshProcesses
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     before = {c.pid for c in multiprocessing.active_children()}
     with FreshProcesses(mlp) as fresh:
@@ -565,7 +565,7 @@ class _Recording:
 
 def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_side(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     log = tmp_path / "steps"
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
@@ -626,7 +626,7 @@ class _DiesSecond:
 
 def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_have_compiled(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     log = tmp_path / "steps"
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
@@ -676,7 +676,7 @@ def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_w
     import functools
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     options = Options(iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
@@ -711,7 +711,7 @@ def test_a_turn_that_raises_is_its_plans_entry_and_the_others_turns_go_on():
     import functools
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     options = Options(iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
@@ -732,7 +732,7 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     import functools
 
     from shrinkwrap import processes
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     monkeypatch.setattr(processes, "_held", lambda device, room: 2)  # the GPU's memory holds two
     options = Options(iterations=1, warmup=1, device="cpu")
@@ -752,25 +752,45 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     assert second[2] < when and len(seconds) == 3 and all(s > 0 for s in seconds)
 
 
-def _slow_to_exit(make, plan, batch, options):
-    """``then`` of a process that takes 4 s to exit once told to (a finalizer, as a compiler's
-    worker pool shutting down)."""
-    import multiprocessing.util
+def _meet_on_exit(folder: str, count: int) -> None:
+    """A process's last act (a finalizer, as a compiler's worker pool shutting down): say it is
+    exiting, then wait until ``count`` processes are, and say whether they all met."""
+    mine = os.path.join(folder, str(os.getpid()))
+    open(mine + ".exiting", "w").close()
+    deadline = time.monotonic() + 60  # past compile_ahead's grace: a process left alone is terminated
+    while time.monotonic() < deadline:
+        if len([f for f in os.listdir(folder) if f.endswith(".exiting")]) == count:
+            open(mine + ".met", "w").close()
+            return
+        time.sleep(0.05)
 
-    multiprocessing.util.Finalize(None, time.sleep, args=(4,), exitpriority=0)
-    return time.time()
+
+class _MeetOnExit:
+    """``then`` of a process that, once told to exit, exits only beside the others."""
+
+    def __init__(self, folder: str, count: int) -> None:
+        self.folder, self.count = folder, count
+
+    def __call__(self, make, plan, batch, options):
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _meet_on_exit, args=(self.folder, self.count), exitpriority=0)
+        return os.getpid()
 
 
-def test_processes_ahead_whose_turns_end_together_exit_side_by_side():
+def test_processes_ahead_whose_turns_end_together_exit_side_by_side(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     plans = [sw.Plan.parse("compile(backend='eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='eager')"),
              sw.Plan.parse("checkpoint('2'), compile(backend='eager')")]
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"),
-                                 then=_slow_to_exit)
-    # One after another, the last would be gone 12 s after its turn.
-    assert at_once == 3 and 4 <= time.time() - max(out) < 10
+                                 then=_MeetOnExit(str(tmp_path), len(plans)))
+    # Told to exit one after another, the first would wait alone until it was terminated, and
+    # only the last would see all three exiting.
+    met = sorted(int(f.name.split(".")[0]) for f in tmp_path.glob("*.met"))
+    assert at_once == 3
+    assert met == sorted(out), "the processes exited one after another, not side by side"
 
 
 def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_key_on_as_it_was():
@@ -781,7 +801,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     code = """if True:
         import torch, torch.nn as nn
         from shrinkwrap.processes import compile_settings, _first_steps
-        from shrinkwrap.measure.step import Options
+        from shrinkwrap.measure.profile import Options
         from shrinkwrap.plan import Plan
         settings = compile_settings()
         before = torch.backends.cuda.matmul.fp32_precision
@@ -828,7 +848,8 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
         import torch, torch.nn as nn
         import shrinkwrap as sw
         from shrinkwrap.processes import compile_ahead
-        from shrinkwrap.measure.step import Options, _setup
+        from shrinkwrap.measure.profile import Options
+        from shrinkwrap.measure.step import _setup
 
         def make():
             torch.manual_seed(0)
@@ -872,7 +893,7 @@ def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, mo
     from torch._dynamo.utils import counters
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.step import Options
+    from shrinkwrap.measure.profile import Options
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold for this test; the processes inherit it
     plans = [sw.Plan.parse("compile()"), sw.Plan.parse("autocast(torch.bfloat16), compile()")]
@@ -952,7 +973,8 @@ def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
 
 
 def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():
-    from shrinkwrap.measure.step import Options, measure_with
+    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measure.step import measure_with
 
     prof = measure_with(mlp(), torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu", module_log=False))
     assert prof.saved == sw.saved_tensor_bytes(lambda: mlp().train()(torch.randn(16, 32)))
@@ -960,7 +982,8 @@ def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes
 
 
 def test_a_row_built_to_be_thrown_away_is_not_restored():
-    from shrinkwrap.measure.step import Options, measure_with
+    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measure.step import measure_with
 
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
@@ -998,7 +1021,7 @@ def test_graph_pools_counts_private_pools_and_the_gradients_a_replay_wrote_there
          "segment_pool_id": (0, 7)},  # another GPU's graph pool
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    pool, unseen = step._graph_pools(torch.device("cuda", 0), [inside, None, recorded, outside])
+    pool, unseen = graphs._graph_pools(torch.device("cuda", 0), [inside, None, recorded, outside])
     assert (pool, unseen) == (inside.nbytes + recorded.nbytes, inside.nbytes)
 
 

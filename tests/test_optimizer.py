@@ -133,7 +133,7 @@ def test_a_parameter_bound_again_steps_as_its_new_optimizer_does_in_the_group_a_
     # the plain sharded loop's by an ulp). Here a CPU optimizer stands for the fused one.
     import importlib
 
-    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer.handle")
+    opt_module = importlib.import_module("shrinkwrap.transforms.optimizer.binding")
     real = opt_module._one_optimizer
     monkeypatch.setattr(opt_module, "_one_optimizer",
                         lambda cls, p, options, fused: real(cls, p, options, not hasattr(p, "_shard")))
@@ -174,7 +174,7 @@ def test_a_bucket_s_norms_are_each_gradient_s_own_whatever_their_dtypes():
 
 def _buckets(monkeypatch, size):
     """The optimizer module with buckets of ``size`` bytes, whatever share of the model that is."""
-    module = __import__("sys").modules["shrinkwrap.transforms.optimizer.handle"]
+    module = __import__("sys").modules["shrinkwrap.transforms.optimizer.backward"]
     monkeypatch.setattr(module, "_BUCKET", size)
     monkeypatch.setattr(module, "_SHARE", 1)
     return module
@@ -216,9 +216,10 @@ def test_buckets_on_a_hugging_face_gpt2_give_the_plain_loop_s_weights_bit_for_bi
 def test_buckets_of_fused_optimizers_step_as_the_fused_loop_bit_for_bit(monkeypatch):
     # What a GPU's parameters do (a fused optimizer each, a bucket stepped through one fused
     # call), with torch's fused CPU kernel.
-    module = _buckets(monkeypatch, 4096)
-    one = module._one_optimizer
-    monkeypatch.setattr(module, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
+    _buckets(monkeypatch, 4096)
+    binding = __import__("sys").modules["shrinkwrap.transforms.optimizer.binding"]
+    one = binding._one_optimizer
+    monkeypatch.setattr(binding, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
@@ -297,13 +298,13 @@ def test_under_compiled_autograd_each_parameter_steps_in_its_hook(monkeypatch):
 def test_gradients_stepped_in_buckets_give_the_plain_loop_s_weights_bit_for_bit(bucket, monkeypatch):
     # Each parameter alone (1 byte), buckets of a few parameters, all of them at the end of backward.
     module = _buckets(monkeypatch, bucket)
-    sizes, real = [], module.InBackward._step_waiting
+    sizes, real = [], module.BackwardSteps._step_waiting
 
     def spy(self):
         sizes.append(len(self.waiting))
         real(self)
 
-    monkeypatch.setattr(module.InBackward, "_step_waiting", spy)
+    monkeypatch.setattr(module.BackwardSteps, "_step_waiting", spy)
     ref, model, opt = _beside_plain(f"step_in_backward(torch.optim.AdamW, options={OPTIONS})", 4)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     n, stepped = sum(1 for _ in ref.parameters()), [k for k in sizes if k]

@@ -663,9 +663,9 @@ class _Split(Net):
 def _buckets_of_one(monkeypatch):
     import importlib
 
-    handle = importlib.import_module("shrinkwrap.transforms.optimizer.handle")
-    monkeypatch.setattr(handle, "_BUCKET", 1)
-    monkeypatch.setattr(handle, "_SHARE", 1)
+    backward = importlib.import_module("shrinkwrap.transforms.optimizer.backward")
+    monkeypatch.setattr(backward, "_BUCKET", 1)
+    monkeypatch.setattr(backward, "_SHARE", 1)
 
 
 def _fused(monkeypatch):
@@ -673,9 +673,9 @@ def _fused(monkeypatch):
     found_inf), with torch's fused CPU kernel."""
     import importlib
 
-    handle = importlib.import_module("shrinkwrap.transforms.optimizer.handle")
-    one = handle._one_optimizer
-    monkeypatch.setattr(handle, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
+    binding = importlib.import_module("shrinkwrap.transforms.optimizer.binding")
+    one = binding._one_optimizer
+    monkeypatch.setattr(binding, "_one_optimizer", lambda cls, p, options, fused: one(cls, p, options, True))
 
 
 KINDS = ["device", "cpu", "fused"]

@@ -29,9 +29,9 @@ import torch.nn as nn
 
 from . import _rewrite
 from ._tree import tensors, tree_map
+from .measure.profile import LossFn, OptimizerFactory, Options, Profile
 from .measure.ranks import rank_and_world
-from .measure.step import LossFn, OptimizerFactory, Options, Profile, _clean, _setup, device_name, measure_with, \
-    numbered, resolve_device
+from .measure.step import _clean, _setup, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
 from .processes import FreshProcesses, _build, _Copies, _said, _unsendable, model_maker

@@ -35,7 +35,9 @@ import torch.nn as nn
 from ._tree import tree_map
 from .processes import (PROCESS_MARGIN, _build, _end, _said, _stop, _unsendable, compile_settings, model_maker,
                         take_settings)
-from .measure.step import Options, _setup, _graph_pools, device_name, resolve_device
+from .measure.graphs import _graph_pools
+from .measure.profile import Options
+from .measure.step import _setup, device_name, resolve_device
 from .plan import Plan, PlanLike, as_plan
 
 MiB = 2**20

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from ._tree import tree_map
 from .measure.first_use import Calls, replay
-from .measure.step import Options, _clean, _setup, resolve_device
+from .measure.profile import Options
+from .measure.step import _clean, _setup, resolve_device
 from .plan import Plan
 from .select import wrong
 

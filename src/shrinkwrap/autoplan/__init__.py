@@ -58,8 +58,9 @@ import torch.nn as nn
 from .._tree import tensors, tree_map
 from ..compare import Progress, describe_batch, measure_plans, progress_of
 from ..fit import ITERATIONS, Probe, trains_under
+from ..measure.profile import LossFn, OptimizerFactory, Options
 from ..measure.ratios import CONFIDENCE, ratio_interval, slowdown_decided
-from ..measure.step import LossFn, OptimizerFactory, Options, device_name, resolve_device
+from ..measure.step import device_name, resolve_device
 from ..plan import Plan
 from ..processes import model_maker
 from ..report import Report, Row

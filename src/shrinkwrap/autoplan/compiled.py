@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..compare import _as_row, _row
 from ..measure.ratios import timed_against, within_slowdown
-from ..measure.step import Options
+from ..measure.profile import Options
 from ..plan import Plan
 from ..processes import _build
 from ..report import Row

@@ -17,8 +17,10 @@ import torch.nn as nn
 
 from ..compare import Progress, _as_row, _warm_process, measure_plans
 from ..measure import first_use
+from ..measure.profile import Options
 from ..measure.ratios import ratio_interval, timed_against, within_slowdown
-from ..measure.step import Options, forward_times, resolve_device, time_interleaved
+from ..measure.step import resolve_device
+from ..measure.turns import forward_times, time_interleaved
 from ..plan import Plan
 from ..processes import AHEAD, PROCESS_MARGIN, FreshProcesses, _build, _Copies, _unsendable, compile_ahead
 from ..report import Row

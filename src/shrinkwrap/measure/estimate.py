@@ -39,7 +39,9 @@ from .._rewrite import records
 from .._tree import tensors, tree_map
 from ..plan import PlanLike, as_plan
 from ..select import require_module, wrong
-from .step import LossFn, OptimizerFactory, _Iteration, default_loss, in_backward
+from ..transforms.optimizer.interface import trained_by
+from .profile import LossFn, OptimizerFactory
+from .step import _Iteration, default_loss
 
 MiB = 2**20
 
@@ -166,7 +168,7 @@ def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
         warnings.filterwarnings("ignore", message="Module is None")
         fake_batch = tree_map(lambda t: mode.from_tensor(t.cpu()), batch)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = in_backward(model) or (optimizer(params) if optimizer else torch.optim.AdamW(params, foreach=True))
+        opt = trained_by(model) or (optimizer(params) if optimizer else torch.optim.AdamW(params, foreach=True))
         step = _Iteration(model, fake_batch, loss_fn or default_loss, opt, None)
         step()  # the optimizer's state is made in the first
         tracker = MemTracker()

@@ -10,18 +10,16 @@ from typing import Any
 
 import torch.nn as nn
 
-from .step import Options, Timing, time_interleaved
+from .profile import Options, Timing
+from .turns import time_interleaved
 
 MAX_ROUNDS = 15  # rounds in turns at most (see timed_against); undecided after them, by the median
 # Iterations of each model a round (see timed_against). Time drifts between rounds more than the
-# iterations of one round scatter: 12 plans of efficientnet_b0, maxvit_t and densenet121 on an
-# H200, each timed twice for 15 rounds of 6, were decided at 8 limits (0.8-1.5x) by these rules as
-# the other timing of the same plan read them 176 times in 192 on the first 3 iterations of each
-# round, and 174 on the first 5, in 39% fewer iterations; the interval left 32 and 26 undecided
-# after 15 rounds (benchmarks/per_round.py). So a caller's larger ``iterations`` (a row's) does
-# not lengthen the rounds.
+# iterations of one round scatter, so more rounds decide better than longer ones, and a caller's
+# larger ``iterations`` (a row's) does not lengthen them (benchmarks/RESULTS.md, "Timing in turns:
+# iterations a round").
 PER_ROUND = 3
-CONFIDENCE = 0.8  # a step-time limit is decided once the ratio's interval of this confidence is on one side,
+CONFIDENCE = 0.8  # a step-time limit is decided once the ratio's interval of this confidence is on one side
 
 
 def paired_ratio(baseline: Timing, plan: Timing) -> tuple[float, float]:
@@ -88,9 +86,9 @@ def within_slowdown(baseline: Timing, plan: Timing, max_slowdown: float, toleran
 def slowdown_decided(baseline: Timing, plan: Timing, max_slowdown: float, tolerance: float = 0.03) -> bool:
     """Whether the rounds so far decide :func:`within_slowdown` beyond the noise: the interval of
     :func:`ratio_interval` lies wholly within the limit or wholly over it (never with fewer than
-    four paired rounds, whose widest interval holds the median with less than 80%). On an H100,
-    five rounds of resnet152 in turns gave ratios spread over 36%: a plan at 1.108x by its median
-    was taken as within a 1.0x limit, since the old rule let half the spread excuse it."""
+    four paired rounds, whose widest interval holds the median with less than 80%). An interval,
+    not the rounds' spread: a spread wide enough to excuse a plan would pass one that is over the
+    limit by its median (docs/measuring.md, "Timing in turns")."""
     if len(baseline.rounds_ms) == len(plan.rounds_ms) < 4:
         return False
     _, low, high = ratio_interval(baseline, plan)

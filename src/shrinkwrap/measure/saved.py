@@ -18,7 +18,7 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.device, storage.data_ptr(), storage.nbytes())
 
 
-class _Held:
+class _CountedSave:
     """What autograd keeps instead of the saved tensor: its release tells us the storage is freed."""
 
     __slots__ = ("tensor", "key", "owner")
@@ -75,7 +75,7 @@ class SavedTensors:
             self.live += key[2]
             self.peak_live = max(self.peak_live, self.live)
         self._holders[key] += 1
-        return _Held(t, key, self)
+        return _CountedSave(t, key, self)
 
     def _release(self, key: tuple) -> None:
         self._holders[key] -= 1
@@ -92,7 +92,7 @@ class SavedTensors:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.tensor if isinstance(packed, _Held) else packed
+    return packed.tensor if isinstance(packed, _CountedSave) else packed
 
 
 def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -41,193 +39,16 @@ from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import compiled_how, require_module
-from .modules import Event, ForwardTimes, ModuleLog
-from .ranks import gather, local, rank_and_world
+from ..transforms.optimizer.interface import trained_by
+from .graphs import _as_recorded, _dynamo_counts, _graph_pools, _graph_trees, _recompile_limit, _recorded_whole, _replays
+from .modules import ModuleLog
+from .profile import LossFn, OptimizerFactory, Options, Phase, Profile
+from .ranks import gather, rank_and_world
+from .restore import restored
 from .saved import SavedTensors
-
-MiB = 2**20
-
-LossFn = Callable[[Any], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One phase of a CUDA step: ``allocated`` bytes at its end, ``peak`` bytes during it."""
-
-    name: str
-    allocated: int
-    peak: int
-
-
-@dataclass
-class Profile:
-    """What one configuration measured. Bytes throughout; ``None`` where the device cannot say.
-
-    CUDA only (``None`` on CPU): ``peak`` (steady-state step, ``max_memory_allocated``),
-    ``first_peak`` (the first step), ``static`` (allocated before the steady step), and the
-    per-phase ``first_step``/``steady_step`` lists. Any device: ``saved`` (bytes saved for
-    backward, unique storages), ``parameters`` (parameters and buffers), ``gradients``,
-    ``optimizer_state``, ``batch``, ``step_ms`` (median, warm-up excluded), ``first_ms`` (the
-    first iteration, compilation included), ``transfers`` (bytes per timed iteration that
-    shrinkwrap's regions moved between the device and the CPU, by direction: offload's PCIe traffic). ``timeline`` is the per-module log of one iteration,
-    read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
-
-    A model compiled with ``torch.compile`` (``compiled``): ``graph_breaks`` and ``recompiles``
-    (graphs compiled after warm-up: a timed iteration that recompiles is not a steady state)
-    come from dynamo's counters. On CUDA its per-module log and saved-bytes count are skipped
-    (``saved`` is None, the timeline empty): their hooks would make dynamo compile the model
-    again, and that program is not the one measured. ``cuda_graphs`` (``graph_pool`` set, the
-    private pools' reserved bytes): the model runs CUDA graphs (``mode='reduce-overhead'``). A
-    replayed graph writes into its pool without the allocator's counters seeing it, so a steady
-    step that replays them would read almost nothing. Where a warm-up iteration after the first
-    recorded, whole, every graph the steady step replays (``graph_recorded``: a model compiled
-    fresh, as :func:`measure` and autoplan's rows get it), its allocations were all in the open and
-    each replay reuses exactly those addresses: the steady figures are that iteration's, aligned
-    with the steady step's where both have freed their gradients. Otherwise (graphs recorded
-    before :func:`measure` was called, or in its first iteration; an iteration that re-recorded one
-    function and replayed the rest would read low) the steady figures count every private pool's
-    reserved bytes as in use throughout the step: an upper bound, other graphed models of the
-    process included. Gradients a replay wrote into a pool count as static either way.
-
-    Measured under a ``torch.distributed`` process group: ``rank`` is this process's rank and
-    ``ranks`` every rank's profile, in rank order (theirs with ``ranks`` empty); the byte counts
-    are what this rank holds (an FSDP2 shard, not the whole parameter). Without one, ``rank`` is
-    None and ``ranks`` empty.
-    """
-
-    device: str
-    device_name: str
-    torch_version: str
-    saved: int | None
-    parameters: int
-    gradients: int
-    optimizer_state: int
-    batch: int
-    step_ms: float
-    step_times_ms: list[float]
-    peak: int | None = None
-    first_peak: int | None = None
-    static: int | None = None
-    first_step: list[Phase] = field(default_factory=list)
-    steady_step: list[Phase] = field(default_factory=list)
-    timeline: list[Event] = field(default_factory=list)
-    timeline_probe: str = "saved_for_backward"
-    top_modules: list[tuple[str, int]] = field(default_factory=list)
-    snapshot: str | None = None
-    transfers: dict[str, float] = field(default_factory=dict)
-    compiled: bool = False
-    first_ms: float | None = None
-    recompiles: int | None = None
-    graph_breaks: int | None = None
-    graph_pool: int | None = None
-    graph_recorded: bool = False
-    rank: int | None = None
-    ranks: list["Profile"] = field(default_factory=list)
-
-    @property
-    def cuda_graphs(self) -> bool:
-        return self.graph_pool is not None
-
-    @property
-    def peak_phase(self) -> str | None:
-        """The phase of the steady step in which the peak was reached."""
-        if not self.steady_step:
-            return None
-        return max(self.steady_step, key=lambda p: p.peak).name
-
-    def breakdown(self) -> dict[str, int]:
-        """The steady-state peak split into parameters, gradients, optimizer state, batch and
-        activations/other (the rest). Gradients count only if the peak came in backward or the
-        optimizer step: zero_grad(set_to_none) frees them before forward. Empty on CPU."""
-        if self.peak is None:
-            return {}
-        grads = self.gradients if self.peak_phase in ("backward", "step") else 0
-        parts = {
-            "parameters": self.parameters,
-            "gradients": grads,
-            "optimizer_state": self.optimizer_state,
-            "batch": self.batch,
-        }
-        parts["activations_other"] = self.peak - sum(parts.values())
-        return parts
-
-    def __str__(self) -> str:
-        mib = lambda b: f"{b / MiB:.1f} MiB"  # noqa: E731
-        head = f"shrinkwrap profile on {self.device} ({self.device_name}), torch {self.torch_version}"
-        lines = [head]
-        if self.peak is not None:
-            lines.append(f"  peak (steady step, max_memory_allocated): {mib(self.peak)}; "
-                         f"first step {mib(self.first_peak or 0)}; static {mib(self.static or 0)}")
-            lines.append("  at the peak: " + ", ".join(f"{k} {mib(v)}" for k, v in self.breakdown().items()))
-        else:
-            lines.append("  no CUDA: no GPU peak measured")
-        lines.append(f"  saved for backward: {mib(self.saved or 0)}; parameters+buffers {mib(self.parameters)}, "
-                     f"gradients {mib(self.gradients)}, optimizer state {mib(self.optimizer_state)}, "
-                     f"batch {mib(self.batch)}")
-        lines.append(f"  step time: {self.step_ms:.1f} ms (median of {len(self.step_times_ms)})")
-        if self.transfers:
-            lines.append("  moved per iteration: " + ", ".join(f"{k} {mib(v)}" for k, v in self.transfers.items()))
-        if self.compiled:
-            lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
-                         f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")
-        if self.graph_recorded:
-            lines.append("  CUDA graphs: peak read at the iteration that recorded them (replays reuse its allocations); "
-                         f"their private pools reserve {mib(self.graph_pool)}")
-        elif self.cuda_graphs:
-            lines.append(f"  CUDA graphs: their private pools' {mib(self.graph_pool)} reserved counted as in use "
-                         "throughout the step (an upper bound: they were recorded before this measure)")
-        for p in self.ranks:
-            memory = f"peak {mib(p.peak)}" if p.peak is not None else f"saved for backward {mib(p.saved or 0)}"
-            lines.append(f"  rank {p.rank}: {memory}, parameters+buffers {mib(p.parameters)}, step {p.step_ms:.1f} ms")
-        return "\n".join(lines)
-
+from .sizes import _bytes, _state_tensors
 
 # -- batch, loss, optimizer ----------------------------------------------------------------
-
-
-def _bytes(ts: Iterable[torch.Tensor | None], device: torch.device | None = None) -> int:
-    """Total size of the unique storages behind ``tensors`` (tied weights counted once); of a
-    DTensor, this rank's shard; on ``device`` only, where given. A gradient the optimizer step in
-    backward used and dropped holds nothing."""
-    seen: dict[int, int] = {}
-    for t in ts:
-        if isinstance(t, torch.Tensor) and not _dropped(t) and (device is None or _same_device(t.device, device)):
-            storage = local(t).untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _state_tensors(opt: Any) -> Iterator[torch.Tensor]:
-    """The tensors an optimizer keeps: its ``state``, or, for one that has none (torchao's
-    ``CPUOffloadOptimizer`` keeps an optimizer per parameter), every tensor its ``state_dict``
-    holds, however nested."""
-    state = getattr(opt, "state", None)
-    if state is not None:
-        for s in state.values():
-            yield from tensors(s)
-    elif hasattr(opt, "state_dict"):
-        yield from tensors(opt.state_dict())
-
-
-def _dropped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the stand-in a gradient leaves once the optimizer step in backward used it."""
-    return getattr(type(getattr(t, "_local_tensor", t)), "_sw_consumed", False)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def in_backward(model: nn.Module) -> Any:
-    """The optimizer-shaped handle of a model whose optimizer steps inside backward (the root, or
-    the module a parallel wrapper holds), or None: the harness steps through it, not through an
-    optimizer of its own, which would step every parameter a second time."""
-    for m in (model, *model.children()):
-        handle = m.__dict__.get("_sw_optimizer")
-        if handle is not None:
-            return handle
-    return None
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -284,29 +105,6 @@ def needs_grad_scaler(model: nn.Module) -> bool:
     """Whether a step applied to ``model`` (or to the model inside it: DDP's ``module``) asks for a
     GradScaler (float16 autocast sets ``needs_grad_scaler``)."""
     return any(getattr(r.step, "needs_grad_scaler", False) for m in model.modules() for r in _rewrite.records(m))
-
-
-@dataclass(frozen=True)
-class Options:
-    """How a configuration is measured: the loss (``output -> scalar``; by default
-    :func:`default_loss`), the optimizer factory (``params -> Optimizer``; AdamW by default),
-    ``iterations`` timed after ``warmup``, the device (CUDA when present by default), whether
-    to use a GradScaler (by default when a float16 autocast step was applied), and whether to run
-    the extra iteration that logs memory per module (``module_log``; without CUDA it runs anyway,
-    since it also counts the bytes saved for backward, the figure there)."""
-
-    loss_fn: LossFn | None = None
-    optimizer: OptimizerFactory | None = None
-    iterations: int = 5
-    warmup: int = 2
-    device: str | torch.device | None = None
-    grad_scaler: bool | None = None
-    module_log: bool = True
-
-    def __post_init__(self) -> None:
-        if self.iterations < 1 or self.warmup < 1:
-            raise ValueError(f"shrinkwrap: iterations and warmup must be at least 1, "
-                             f"got iterations={self.iterations}, warmup={self.warmup}")
 
 
 # -- the harness -----------------------------------------------------------------------------
@@ -385,76 +183,6 @@ def _memory_history(path: str | None) -> Iterator[None]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-@contextlib.contextmanager
-def restored(model: nn.Module) -> Iterator[nn.Module]:
-    """Give ``model`` back afterwards as it was: the same parameter and buffer objects with their
-    values, gradients, devices and train/eval flags. Copies go to CPU memory, so measuring in
-    place adds nothing to the device's count (a deepcopy on the GPU would); of an FSDP2 shard,
-    only this rank's part is copied."""
-    flags = [(m, m.training) for m in _all_modules(model)]
-    slots = []
-    for m in model.modules():
-        for table in (m._parameters, m._buffers):
-            for key, t in table.items():
-                if t is not None:
-                    # Of a gradient only the values: holding the tensor would keep it on the device,
-                    # and in the measured peak, through the whole measurement.
-                    grad = _copy(t.grad)[1:] if t.grad is not None and not _dropped(t.grad) else None
-                    slots.append((table, key, _copy(t), grad))
-    handle = in_backward(model)
-    states = _cpu_copy(handle.state_dict()) if handle is not None else None
-    try:
-        yield model
-    finally:
-        if handle is not None:
-            handle.load_state_dict(states)  # the iterations stepped the model's own optimizer
-        with torch.no_grad():
-            for table, key, (t, dev, value), grad in slots:
-                table[key] = t  # a forward may have swapped a buffer for a new tensor
-                _put_back(t, dev, value)
-                if grad is None:
-                    t.grad = None
-                elif t.grad is not None and _fits(local(t.grad), *grad):
-                    local(t.grad).copy_(grad[1])  # into the gradient the last iteration made
-                else:
-                    t.grad = grad[1].to(grad[0])
-        for m, mode in flags:
-            m.training = mode
-
-
-def _cpu_copy(state: Any) -> Any:
-    return tree_map(lambda t: t.detach().to("cpu", copy=True), state)
-
-
-def _copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Tensor]:
-    """``t``, its device, and a CPU copy of what this rank holds of it (a DTensor's local shard)."""
-    return t, t.device, local(t).detach().to("cpu", copy=True)
-
-
-def _fits(held: torch.Tensor, device: torch.device, value: torch.Tensor) -> bool:
-    return held.device == device and held.dtype == value.dtype and held.shape == value.shape
-
-
-def _put_back(t: torch.Tensor, device: torch.device, value: torch.Tensor) -> None:
-    """``t``'s values from ``value``: in place where it is still where it was, so that storage it
-    shares stays shared (FSDP2's sharded parameters are views of its own buffers, which its
-    all-gathers read); moved back otherwise."""
-    held = local(t)
-    if _fits(held, device, value):
-        held.copy_(value)
-    else:
-        held.data = value.to(device)
-
-
-def _all_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """Every module, and the originals inside shrinkwrap's wrappers (they keep their own flags)."""
-    for m in model.modules():
-        yield m
-        while isinstance(m, TransparentWrapper):
-            m = m.wrapped
-            yield m
-
-
 def measure(
     model: nn.Module,
     batch: Any,
@@ -523,25 +251,6 @@ def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str |
     return profile
 
 
-@contextlib.contextmanager
-def _recompile_limit() -> Iterator[list[str]]:
-    """The limits of recompiles dynamo meets in the block, as its log names them (``recompile_limit
-    (8)``): a frame past its limit runs eagerly from then on, which dynamo says in a warning only."""
-    met: list[str] = []
-
-    class Met(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if str(record.msg).startswith("torch._dynamo hit config."):
-                met.append(record.getMessage().splitlines()[0].removeprefix("torch._dynamo hit config."))
-
-    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Met(logging.WARNING)
-    logger.addHandler(handler)
-    try:
-        yield met
-    finally:
-        logger.removeHandler(handler)
-
-
 def numbered(path: str, tag: object) -> str:
     """``path`` with ``tag`` before its suffix: ``memory.pickle`` -> ``memory.<tag>.pickle``."""
     stem, dot, suffix = path.rpartition(".")
@@ -552,7 +261,7 @@ def _setup(model: nn.Module, batch: Any, options: Options, device: torch.device)
     """The model on ``device`` in training mode, and an iteration with a fresh optimizer."""
     model.to(device).train()
     batch = tree_map(lambda t: t.to(device), batch)
-    opt = in_backward(model) or (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
+    opt = trained_by(model) or (options.optimizer or torch.optim.AdamW)([p for p in model.parameters() if p.requires_grad])
     grad_scaler = needs_grad_scaler(model) if options.grad_scaler is None else options.grad_scaler
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
     return _Iteration(model, batch, options.loss_fn or default_loss, opt, scaler), batch
@@ -647,93 +356,6 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     )
 
 
-@dataclass(frozen=True)
-class Timing:
-    """One configuration's iteration time, measured in turns with others: the mean of each round,
-    their median, and the spread between the fastest and the slowest round."""
-
-    rounds_ms: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rounds_ms)
-
-    @property
-    def spread(self) -> float:
-        """(slowest - fastest round) / median: how far two figures must differ to mean something."""
-        return (max(self.rounds_ms) - min(self.rounds_ms)) / self.median
-
-    def __str__(self) -> str:
-        return f"{self.median:.1f} ms ({min(self.rounds_ms):.1f}-{max(self.rounds_ms):.1f}, {len(self.rounds_ms)} rounds)"
-
-
-def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
-                     rounds: int = 5, per_round: int = 3,
-                     until: Callable[[dict[str, Timing]], bool] | None = None,
-                     max_rounds: int | None = None) -> dict[str, Timing]:
-    """Time the training iteration of several models in turns (A B C, B C A, ...) in this process.
-
-    Step times on a shared GPU drift 10-20% between processes and over minutes; measured in
-    turns, drift falls on every configuration alike, and each result carries its spread. Each
-    model gets ``options.warmup`` iterations first (compilation happens there), then ``rounds``
-    rounds of ``per_round`` iterations each; models are restored afterwards, as by :func:`measure`.
-    With ``until``, rounds go on one at a time after the first ``rounds`` while ``until(timings so
-    far)`` is false, up to ``max_rounds`` in all (which ``until`` needs): as many repeats as a
-    decision needs.
-
-    Example::
-
-        >>> t = time_interleaved({"fp32": plain, "plan": transformed}, batch, Options(device="cuda"))
-        >>> t["plan"].median / t["fp32"].median, t["plan"].spread
-    """
-    if rounds < 1 or (until is not None and max_rounds is None):
-        raise ValueError("shrinkwrap: time_interleaved needs rounds >= 1, and max_rounds with until")
-    device = resolve_device(options.device)
-    with contextlib.ExitStack() as stack:
-        steps = {}
-        for name, model in models.items():
-            stack.enter_context(restored(require_module(model, "time_interleaved()")))
-            steps[name], _ = _setup(model, batch, options, device)
-            for _ in range(options.warmup):
-                steps[name]()
-        names = list(steps)
-        out: dict[str, list[float]] = {name: [] for name in names}
-
-        def timings() -> dict[str, Timing]:
-            return {name: Timing(tuple(times)) for name, times in out.items()}
-
-        r = 0
-        while r < rounds or (until is not None and r < max_rounds and not until(timings())):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
-                out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
-            r += 1
-    return timings()
-
-
-def forward_times(model: nn.Module, batch: Any, options: Options = Options()) -> dict[str, float]:
-    """Each named module's forward time in a training iteration, in milliseconds (GPU time on
-    CUDA): the median over ``options.iterations`` iterations after ``options.warmup``; the model
-    is restored afterwards, as by :func:`measure`. What recomputing a region in backward costs,
-    read for every region from the same iterations: on a shared GPU one row per region differs
-    from the next by more than a region's recompute takes.
-
-    Example::
-
-        >>> forward_times(model, batch, Options(device="cuda"))["layer1"]
-        4.1
-    """
-    device = resolve_device(options.device)
-    with restored(require_module(model, "forward_times()")):
-        step, _ = _setup(model, batch, options, device)
-        for _ in range(options.warmup):
-            step()
-        with ForwardTimes(model, device if device.type == "cuda" else None) as times:
-            for _ in range(options.iterations):
-                step(times.mark)
-                times.next_iteration()
-        return times.ms()
-
-
 def _transfers(model: nn.Module, reset: bool = False) -> dict[str, int]:
     """What the model's wrappers moved between devices since their last reset, summed by direction."""
     total: dict[str, int] = {}
@@ -749,99 +371,3 @@ def is_compiled(model: nn.Module) -> bool:
     wrapper (``OptimizedModule``) as the model or in place of a child
     (``model.layer1 = torch.compile(model.layer1)``)."""
     return any(compiled_how(m) for m in model.modules())
-
-
-def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
-    """Bytes reserved on ``device`` in private memory pools (CUDA graphs'), and the bytes of
-    ``grads`` whose storage (a DTensor's: this rank's shard) lies in them outside every block the
-    allocator counts as allocated: written by a replayed graph, unseen by its counters (one a
-    recording made is counted)."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    segments = [s for s in torch.cuda.memory_snapshot()
-                if s.get("device", index) == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
-    counted = [(b["address"], b["address"] + b["size"]) for s in segments for b in s.get("blocks", ())
-               if b.get("state") == "active_allocated" and "address" in b]
-
-    def within(g: torch.Tensor, spans: Iterable[tuple[int, int]]) -> bool:
-        at = local(g).untyped_storage().data_ptr()
-        return any(a <= at < b for a, b in spans)
-
-    pools = [(s["address"], s["address"] + s["total_size"]) for s in segments]
-    return sum(b - a for a, b in pools), _bytes(g for g in grads if g is not None and not _dropped(g)
-                                                and within(g, pools) and not within(g, counted))
-
-
-def _graph_trees(device: torch.device) -> int | None:
-    """How many graphs ``torch.compile``'s CUDA graph trees have recorded for ``device`` in this
-    thread (each node of a tree is one recording); None where this torch's trees cannot say."""
-    try:
-        from torch._inductor import cudagraph_trees
-
-        index = torch.cuda.current_device() if device.index is None else device.index
-        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
-        nodes, count = [n for ns in manager.roots.values() for n in ns] if manager is not None else [], 0
-        while nodes:
-            count += 1
-            nodes.extend(c for cs in nodes.pop().children.values() for c in cs)
-        return count
-    except Exception:  # noqa: BLE001 - private structures of torch: without them, the upper bound
-        return None
-
-
-@contextlib.contextmanager
-def _replays() -> Iterator[list[Any]]:
-    """List the CUDA graphs replayed (``torch.cuda.CUDAGraph.replay``, through which graph trees
-    run each) while open, in the list it gives. The trees' own structures cannot
-    tell which graphs an iteration ran: the path they keep can begin anew within one iteration."""
-    cls = torch.cuda.CUDAGraph
-    own = "replay" in vars(cls)
-    original = cls.replay
-    replayed: list[Any] = []  # the graphs themselves: an id could be reused by another
-
-    def replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
-        replayed.append(graph)
-        return original(graph, *args, **kwargs)
-
-    cls.replay = replay
-    try:
-        yield replayed
-    finally:
-        if own:
-            cls.replay = original
-        else:
-            del cls.replay
-
-
-def _as_recorded(steady: list[Phase], replayed: list[Any], warm: list[tuple[list[Phase], list[Any], bool]],
-                 unseen_grads: int) -> list[Phase] | None:
-    """The steady step's phases as a warm-up iteration that recorded, whole, every CUDA graph the
-    steady step replayed (``replayed``) made them in the open: that iteration's phases, aligned
-    with the steady step's at zero_grad, where both have freed their gradients and hold the same
-    state. No phase reads less than the steady step's own counters, with the ``unseen_grads`` a
-    replay wrote from backward on (a phase that differs between iterations, such as a first
-    optimizer step, or leftovers freed between them, would otherwise read low). ``warm`` holds
-    each warm-up's phases, the graphs it replayed and whether it recorded them whole. None where
-    no warm-up did."""
-    for phases, graphs, whole in warm:
-        if whole and set(replayed) <= set(graphs):
-            shift = steady[0].allocated - phases[0].allocated
-            grads = [unseen_grads if p.name in ("backward", "step") else 0 for p in steady]
-            return [Phase(r.name, max(r.allocated + shift, s.allocated + g), max(r.peak + shift, s.peak + g))
-                    for r, s, g in zip(phases, steady, grads)]
-    return None
-
-
-def _recorded_whole(before: int | None, after: int | None, replayed: list[Any]) -> bool:
-    """Whether an iteration, between two readings of :func:`_graph_trees`, recorded every CUDA
-    graph it ran: graph trees replay a graph once as they record it (capture computes nothing),
-    so its replays are exactly its recordings, each once, one at least. One that re-recorded one
-    function and replayed the others would read low: their memory unseen."""
-    return (before is not None and after is not None and after > before
-            and len(replayed) == len(set(replayed)) == after - before)
-
-
-def _dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters."""
-    from torch._dynamo.utils import counters  # imported already where a model is compiled
-
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())

@@ -6,10 +6,18 @@ state)`` takes the gradient term away, and with ``state="cpu"`` the state too; `
 keeps the state in 8 bits (lossy, opt-in). The files, one concern each:
 
 - ``step.py``: the plan step and ``sw.optimizer(model)``, the handle the loop drives.
-- ``handle.py``: the handle, ``InBackward``: the optimizer per parameter, stepped in its hook, in
-  buckets or on the CPU, and the loops it follows or refuses as they run.
-- ``cpu.py``: a parameter's copy and state on the CPU, and its weight's fingerprint.
+- ``handle.py``: the handle, ``InBackward``, as the loop sees it: param groups, ``state_dict``,
+  ``add_param_group``, step hooks, ``step()`` and ``zero_grad()``.
+- ``binding.py``: an optimizer and a hook for each parameter, bound again as the model changes.
+- ``backward.py``: the steps inside backward, a parameter or a bucket at a time, and the check
+  that a gradient is finite.
+- ``cpu.py``: the step with the state on the CPU: a parameter's copy, its weight's fingerprint,
+  the worker thread.
+- ``checks.py``: the loop checks between backwards (a backward no ``step()`` followed, options
+  changed after backward, a backward that raised halfway).
 - ``refusals.py``: what is refused before any step (an optimizer class, a GradScaler).
+- ``interface.py``: what the measuring harness asks of the step (the handle that trains a model,
+  whether a gradient was used and dropped); nothing outside this package reads more.
 - ``standin.py``: what ``.grad`` holds after the step used a gradient.
 - ``lowbit.py``: ``LowBitAdamW``.
 

@@ -1,10 +1,19 @@
 """A parameter's optimizer stepped on the CPU (``step_in_backward(state='cpu')``): its copy,
-gradient buffer and state in pinned memory, and the fingerprint that tells whether a half weight
-changed on the GPU since its step wrote it."""
+gradient buffer and state in pinned memory, the fingerprint that tells whether a half weight
+changed on the GPU since its step wrote it, and the step itself: the gradient down on a side
+stream, the update on a worker thread, the weight back up."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
+import weakref
+
 import torch
+
+from .backward import _Backward, _unstepped
+from .standin import local, norms, stand_in
+
 
 def _one_optimizer(cls: type, p: torch.Tensor, options: dict, fused: bool) -> torch.optim.Optimizer:
     """``cls`` over the one tensor ``p``: fused where asked and the class has a fused form for
@@ -83,3 +92,106 @@ class _OnCpu:
         changed = weight != self.master.detach().to(weight.dtype)
         if bool(changed.any()):
             self.master.detach()[changed] = weight[changed].to(self.master.dtype)
+
+
+def _count_change(p: torch.Tensor) -> None:
+    """Count the CPU step's coming write in ``p``'s version now, before the worker makes it: a node
+    later in this backward that needs the weight as it was raises torch's error, as it does where
+    the step runs on the device (whose in-place update counts)."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(p)
+        return
+    set_version = torch._C._autograd._unsafe_set_version_counter
+    try:
+        set_version((p,), (p._version + 1,))
+    except TypeError:  # torch 2.4-2.5 take one tensor
+        set_version(p, p._version + 1)
+
+
+class CpuSteps:
+    """The step with the state on the CPU (``state='cpu'``), mixed into :class:`~.handle.InBackward`:
+    the gradient down as backward makes it, the step on a worker thread, the weight back up."""
+
+    def _to_cpu(self, name: str, p: torch.Tensor, record: _Backward) -> None:
+        """The gradient, its norms and the weight down (a side stream), the step on the worker
+        thread, the weight back up (another stream); a non-finite gradient stops the steps as on
+        the device, raised at the next ``wait()`` where some were stepped."""
+        on = self.cpu[name]
+        grad = p.grad
+        two, peak = norms([local(grad)])
+        weight = on.master.detach() if on.seen is None else on.seen  # where the weight comes down
+        if p.is_cuda:
+            down, up, _ = self._streams(p.device)
+            # A half weight: whether it changed since its step wrote it, taken on the compute
+            # stream now, after whatever the forward did to it.
+            changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype) if on.seen is not None else two[0]
+            told = torch.stack([two[0], peak[0], changed])
+            down.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(down):
+                on.grad.copy_(grad, non_blocking=True)
+                if on.seen is None:  # a float32 weight comes down with its gradient, into the master
+                    weight.copy_(p.detach(), non_blocking=True)
+                on.norms.copy_(told, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(down)
+            grad.record_stream(down)  # their memory is reused only once the copies are done
+            told.record_stream(down)
+        else:
+            on.grad.copy_(grad)
+            on.norms.copy_(torch.stack([two[0], peak[0], two[0]]))
+            copied = up = None
+        p.grad = stand_in(p, name, two[0], peak[0])
+        _count_change(p)
+        # The step holds the parameter, its state and the handle weakly: a finished step's closure
+        # can outlive wait() for a moment in the worker, and must not keep a dropped model alive.
+        refs = weakref.ref(p), weakref.ref(on), weakref.ref(self)
+        options, lock = self._options(name, record), self.lock
+
+        def step() -> None:
+            p, on, handle = (r() for r in refs)
+            if p is None or on is None or handle is None:
+                return
+            if copied is not None:
+                copied.synchronize()
+            finite = math.isfinite(float(on.norms[1]))
+            with lock:
+                skip = record.skipping
+            if skip or not finite:
+                _unstepped(p.grad)
+                if not skip:
+                    handle._stop(record, name, worker=True)
+                return
+            if up is None:
+                on.take(p.detach())  # a CPU model's own weight
+            elif on.seen is not None and bool(on.norms[2]):  # a half weight changed since its step
+                with torch.cuda.stream(handle._streams(p.device)[2]):  # waits for no copy up
+                    weight.copy_(p.detach(), non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
+                handle.fetched += 1
+                on.take(weight)
+            on.master.grad = on.grad
+            on.optimizer.param_groups[0].update(options)
+            on.optimizer.step()
+            on.master.grad = None
+            with lock:
+                record.stepped.append(name)
+            with torch.no_grad():
+                if up is not None:
+                    with torch.cuda.stream(up):
+                        p.data.copy_(on.master, non_blocking=True)
+                        if on.seen is not None:
+                            on.written = fingerprint(p)
+                else:
+                    p.data.copy_(on.master)
+
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
+        with self.lock:
+            self.futures.append(self.worker.submit(step))
+
+    def _streams(self, device: torch.device) -> tuple:
+        """A device's streams for the CPU steps: the copies down, the copies up, the fetches."""
+        if device not in self.streams:
+            self.streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        return self.streams[device]

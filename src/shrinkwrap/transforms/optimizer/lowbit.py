@@ -140,8 +140,9 @@ class LowBitAdamW(torch.optim.Optimizer):
     def _step_slices(p: torch.Tensor, state: dict, hyper: torch.Tensor) -> None:
         """The eager update of ``p``, a slice of ``_SLICE`` values at a time: its float32
         temporaries (the moments decoded, the weight widened, the step's quotient) are a slice's,
-        not a parameter's, which for a 150k-vocabulary embedding are 0.5 GiB each. A parameter not
-        contiguous in memory (channels_last convolutions: small) goes in one slice."""
+        not a parameter's, which for a large vocabulary's embedding would each be the size of the
+        weight in float32. A parameter not contiguous in memory (channels_last convolutions:
+        small) goes in one slice."""
         whole = not p.is_contiguous()
         weights = p.detach()
         flat, grads = (weights, p.grad) if whole else (weights.view(-1), p.grad.reshape(-1))
@@ -160,12 +161,10 @@ def _step_packed(params: list[tuple[torch.Tensor, dict, torch.Tensor]], update: 
     ``_COMPILED_SLICE`` values: a large parameter a slice at a time, and the small parameters of
     one kind (dtypes and hyper) packed into one call, wherever they sit in ``params``. Fused, the
     update keeps no temporaries of its own, and a call costs the CPU more than the GPU's pass over
-    its values takes (on an H100 host, some 110 us against 10 for 800k values). Stepped in
-    backward, qwen05b (290 parameters, bf16 weights alternating with float32 norms) spent 80 ms of
-    CPU an iteration in its hooks in 306 calls, one a parameter or a slice (one run); in another,
-    83 ms in 112 calls packing only runs of one dtype (1.27x the plain loop's step time) and 43 ms
-    in 50 calls packing by kind (0.97x; H100, torch 2.11). Packing copies the small pieces in
-    and out: the peak did not move."""
+    its values takes: in backward the hooks' calls are the step's cost, so the fewer the better
+    (packed by kind, not only runs of one dtype: a model's bf16 weights alternate with float32
+    norms). The step time it reaches: benchmarks/RESULTS.md, "The whole memory bill". Packing
+    copies the small pieces in and out, which leaves the peak where it is."""
     kinds: dict = {}  # one packing a kind (dtypes, hyper), in the order the kinds first come
     for p, state, hyper in params:
         kinds.setdefault((p.dtype, p.grad.dtype, id(hyper)), []).append((p, state, hyper))
@@ -245,14 +244,15 @@ _COMPILED: list = []
 
 def _compiled_slice(p: torch.Tensor) -> Any:
     """For a CUDA parameter, :func:`_adamw_slice` compiled (once a process); else None. Eager, one
-    slice is some 25 kernels, each a pass over 4 MiB: a 0.5B model's step in backward ran at 4.1x
-    the plain loop's step time (H100, torch 2.11). Compiled, the pass over the moments and weight
+    slice is some 25 kernels, each a pass over the slice, which leaves the step in backward
+    several times slower than the plain loop's (benchmarks/RESULTS.md, "The whole memory bill",
+    has the compiled one). Compiled, the pass over the moments and weight
     is fused and writes them in place (:func:`_step_packed`). Shapes are dynamic (slices differ
     in length) and the hyperparameters a tensor, so a scheduler's new learning rate and the next
     step's bias corrections do not compile again; a graph is compiled for each pair of parameter
     and gradient dtypes, for views of a parameter and for packed buffers, and for a call of one
     block (a length of one is specialized): bf16 weights with float32 norms take up to six. Past
-    dynamo's recompile limit (8 a function) a call runs eagerly: the same update, some 4x slower.
+    dynamo's recompile limit (8 a function) a call runs eagerly: the same update, slower.
     The random bits of the stochastic rounding are the compiler's own, so the compiled update
     does not match the eager one bit for bit where parameters are bf16."""
     if not p.is_cuda or _is_fake(p):

@@ -19,10 +19,9 @@ from ... import _rewrite
 from ...select import require_module
 from ...step import Candidate, Context, Step, Targets
 from .handle import InBackward
+from .interface import HANDLE
 from .refusals import check_class
 from .lowbit import LowBitAdamW
-
-_HANDLE = "_sw_optimizer"  # where the root keeps its handle: the measuring harness reads it (no import)
 
 
 class _Bind:
@@ -45,7 +44,7 @@ class _Detach:
         self.handle.close()
         for p in self.handle.params.values():
             p.grad = None
-        model.__dict__.pop(_HANDLE, None)
+        model.__dict__.pop(HANDLE, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +127,7 @@ class StepInBackward(Step):
         return None
 
     def targets(self, model: nn.Module) -> Targets:
-        handle = model.__dict__.get(_HANDLE)
+        handle = model.__dict__.get(HANDLE)
         if handle is not None:
             if handle.spec != self._spec:
                 raise ValueError(f"shrinkwrap: {type(model).__name__}'s optimizer steps in backward already as "
@@ -155,7 +154,7 @@ class StepInBackward(Step):
         handle = InBackward(self.optimizer, dict(self.options), self.state == "cpu", self._spec)
         handle.model = weakref.ref(model)
         handle.bind(model)
-        model.__dict__[_HANDLE] = handle
+        model.__dict__[HANDLE] = handle
         hook = _rewrite.Hooked(model.register_forward_pre_hook(_Bind(handle)))
         return [_Detach(handle), hook]
 
@@ -170,11 +169,11 @@ def optimizer(model: nn.Module) -> InBackward:
     """
     root = require_module(model, "optimizer()")
     # The model the step was applied to, or one that wraps it (PEFT's PeftModel, a parallel wrapper).
-    owner = next((m for m in root.modules() if _HANDLE in m.__dict__), None)
+    owner = next((m for m in root.modules() if HANDLE in m.__dict__), None)
     if owner is None:
         raise ValueError(f"shrinkwrap: {type(model).__name__} has no step_in_backward(); apply it first, or make "
                          "an optimizer of your own")
-    handle = owner.__dict__[_HANDLE]
+    handle = owner.__dict__[HANDLE]
     if handle.model() is None:  # a copy's (deepcopy, pickle): it binds the copied model
         handle.model = weakref.ref(owner)
         handle.bind(owner)
