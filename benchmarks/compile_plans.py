@@ -62,7 +62,7 @@ def work(name: str, index: int) -> dict:
 
     import shrinkwrap as sw
     from shrinkwrap.measure.step import Options, _setup
-    from shrinkwrap.processes import _build
+    from shrinkwrap.processes.copies import _build
     from zoo import setup
 
     make, batch, _ = setup(name)

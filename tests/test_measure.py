@@ -971,7 +971,7 @@ def test_a_row_built_to_be_thrown_away_is_not_restored():
 
 @pytest.mark.cuda
 def test_cuda_one_warm_up_iteration_reaches_an_eager_models_steady_peak():
-    # autoplan measures eager rows after one warm-up iteration (see _Rows.options_for): the peak
+    # autoplan measures eager rows after one warm-up iteration (see autoplan.rows.Rows.options_for): the peak
     # must be the one that more warm-up reaches, to the byte.
     from shrinkwrap.models import tiny_efficientnet
 

@@ -115,8 +115,7 @@ class Rows:
         """Run ``plan`` for a few iterations in this process, unless its row ran here already:
         what its layout and types use first (cuDNN's choice of kernels) is then not in its row.
         Measured cold, a base under a new layout or type reads slow, every candidate on top of it
-        reads faster than it, and the search takes them all (docs/autoplan.md, "How the figures
-        are read")."""
+        reads faster than it, and the search takes them all."""
         if (str(plan), False) not in self.cache:
             self.measured_here = True
             try:

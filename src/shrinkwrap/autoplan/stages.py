@@ -264,7 +264,7 @@ class _Search:
             # row there is mostly the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
             # Grown into the room the plan surely leaves: its row's own time, or even its median in
-            # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
+            # turns, can leave room the plan does not have, and grown plans then go over the limit.
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
             if nxt and sum(e.saving for e in nxt) < SAME_MEMORY / (1 + SAME_MEMORY) * self.metric(row):
@@ -436,7 +436,7 @@ class _Search:
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
-        # most, and each plan here is a compilation (resnet152's take minutes).
+        # most, and each plan here is a compilation (minutes on a large model).
         budgeted = [_budgeted(final, step, self.model)]
         kept = _budgeted(smallest, step, self.model)
         if kept is not None and any(s.recomputes for s in kept.steps):
