@@ -84,6 +84,16 @@ class Rows:
         return torch.cuda.memory_allocated(self.options.device) == 0
 
     def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
+        """One row per plan, in order, each measured once: with ``isolate`` on CUDA in a fresh
+        process (unless none can start), else in this process.
+
+        Args:
+            plans: the plans to measure.
+            isolate: whether the rows are a fresh process's (the figures autoplan answers with).
+
+        Returns:
+            A copy of each plan's row, so that a caller may set its role and round.
+        """
         if self.foreign is None:
             self.foreign = self.held()
         isolate = isolate and self.cuda and not self.unsendable  # a subprocess buys nothing without CUDA

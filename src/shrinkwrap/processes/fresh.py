@@ -18,7 +18,7 @@ from .._compat import pool_processes
 from ..measure.first_use import Calls, replay
 from .copies import _Copies
 from .sendable import _unsendable
-from .settings import main_after_torch, main_last
+from .settings import module_order, take_module_order
 
 
 def _error_line(exc: BaseException) -> str:
@@ -30,20 +30,21 @@ def _error_line(exc: BaseException) -> str:
 PROCESS_MARGIN = 2**30  # what a process holds beside its row's peak: its CUDA context and workspaces
 
 
-def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = (), move_main: bool = True) -> None:
+def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = (),
+           order: list[str] | None = None) -> None:
     """A spawned process's first task: what a row does before it measures anything. ``make`` was
     unpickled to get here, importing the modules it comes from; the ``modules`` that define the
     model's classes are imported now, which the factory itself may import only when called (a
     transformers model's imports are a large part of its row: docs/architecture.md, "autoplan's
-    processes"); the main script is put where the parent has it (``move_main``: see
-    :func:`~.settings.main_last`); and CUDA starts. The factory is not called: it may cache what it
-    builds, or act."""
-    main_last(move_main)
+    processes"); then ``sys.modules`` takes the parent's ``order`` (see
+    :func:`~.settings.take_module_order`); and CUDA starts. The factory is not called: it may
+    cache what it builds, or act."""
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - only a head start; the row imports what it needs
             pass
+    take_module_order(order)
     if torch.cuda.is_available():
         torch.cuda.init()
 
@@ -116,8 +117,8 @@ class FreshProcesses:
         while len(self._waiting) < (count or self.depth) and not _unsendable((self.make, self.modules)):
             pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._waiting.append(pool)
-            # main_after_torch: a row's process keys its compiled graphs as this one does
-            pool.submit(_ready, self.make, self.modules, main_after_torch())
+            # module_order: a row's process keys its compiled graphs as this one does
+            pool.submit(_ready, self.make, self.modules, module_order())
             if self._primer is not None:
                 pool.submit(replay, *self._primer)
 

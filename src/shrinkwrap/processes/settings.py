@@ -1,6 +1,6 @@
 """What a spawned process takes on from its parent so that what it compiles lands in the caches
 the parent reads: the compiler's settings (:func:`compile_settings`, :func:`take_settings`) and the
-main script's place in ``sys.modules`` (:func:`main_last`)."""
+order of ``sys.modules`` (:func:`take_module_order`)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from .._compat import compiler_configs
 def compile_settings() -> dict:
     """What this process set that the compiler's caches key on and a spawned process would not
     inherit: matmul precision (:func:`_matmul_settings`), deterministic algorithms, the default
-    dtype, inductor's and AOTAutograd's configuration, and where the main script sits in
-    ``sys.modules`` (:func:`main_after_torch`). Set elsewhere, a process compiles graphs that this
+    dtype, inductor's and AOTAutograd's configuration, and the order of ``sys.modules``
+    (:func:`module_order`). Set elsewhere, a process compiles graphs that this
     one then misses in the caches."""
     inductor_config, functorch_config = compiler_configs()
     return {"matmul": _matmul_settings(), "dtype": torch.get_default_dtype(),
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled()),
             "inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable(),
-            "main_last": main_after_torch()}
+            "modules": module_order()}
 
 
 _REDUCED = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
@@ -77,27 +77,29 @@ def take_settings(settings: dict) -> None:
     inductor_config.load_config(settings["inductor"])
     functorch_config.load_config(settings["functorch"])
     inductor_config.autotune_local_cache = False
-    main_last(settings.get("main_last", True))
+    take_module_order(settings.get("modules"))
 
 
-def main_after_torch() -> bool:
-    """Whether, in this process, the main script's second name (``__mp_main__``) comes after
-    ``torch`` in ``sys.modules``, or is not there: read here, never changed, and sent to the
-    spawned processes (see :func:`main_last`)."""
-    names = list(sys.modules)
-    return "__mp_main__" not in names or "torch" not in names or names.index("__mp_main__") > names.index("torch")
+def module_order() -> list[str]:
+    """The names in this process's ``sys.modules``, in order: read here, never changed, and sent
+    to the spawned processes (see :func:`take_module_order`)."""
+    return list(sys.modules)
 
 
-def main_last(move: bool) -> None:
-    """In a spawned process, before anything is compiled: with ``move`` (its parent's
-    :func:`main_after_torch`), move ``__mp_main__`` to the end of ``sys.modules``, so that the
-    main script sits after torch's modules as in the parent. The caches key on tensors' metadata
-    pickled; C pickle names an object without a module of its own (``torch.contiguous_format``)
-    after the first module in ``sys.modules`` that reaches it, skipping ``__main__`` but not
-    ``__mp_main__``, which a spawned process puts before torch's own modules. A main script that
-    imports torch would otherwise make every key of a process differ from its parent's, and the
-    parent would find none of the graphs compiled ahead (tests/test_measure.py checks both orders).
-    The parent's own ``sys.modules`` is left as it is."""
-    main = sys.modules.pop("__mp_main__", None) if move else None
-    if main is not None:
-        sys.modules["__mp_main__"] = main
+def take_module_order(order: list[str] | None) -> None:
+    """In a spawned process, before anything is compiled: put the modules of ``sys.modules`` that
+    its parent has (``order``: :func:`module_order` there) in the parent's order, those it alone
+    has after them; None leaves them as they are. The caches key on tensors' metadata pickled,
+    and C pickle names an object without a module of its own (``torch.contiguous_format``) after
+    the first module in ``sys.modules`` that reaches it, skipping ``__main__`` but not
+    ``__mp_main__``, the main script under its second name, which a spawned process puts before
+    torch's own modules. A main script that imports torch would otherwise make every key of a
+    process differ from its parent's, and the parent would find none of the graphs compiled ahead
+    (tests/test_measure.py checks both orders). The parent's own ``sys.modules`` is left as it is."""
+    if order is None:
+        return
+    rank = {name: i for i, name in enumerate(order)}
+    for name in sorted(sys.modules, key=lambda n: rank.get(n, len(rank))):  # stable: the rest keep their order
+        module = sys.modules.pop(name, None)
+        if module is not None:
+            sys.modules[name] = module
