@@ -77,14 +77,14 @@ def pool_processes(pool: concurrent.futures.ProcessPoolExecutor) -> tuple[list, 
     """A process pool's processes and the thread that reaps them (``_processes``,
     ``_executor_manager_thread``): ``shutdown(wait=False)`` returns at once, and a pool whose
     processes must be ended within a grace period, without a second thread racing the pool's own
-    ``waitpid``, needs both. Checked on Python 3.11 and 3.12."""
+    ``waitpid``, needs both. Checked on Python 3.11."""
     return list((pool._processes or {}).values()), pool._executor_manager_thread
 
 
 def caller_frame(depth: int) -> types.FrameType | None:
     """The frame ``depth`` calls up from the caller (``sys._getframe``): the line of the main
     script that called shrinkwrap, to tell whether it sits under the script's main guard.
-    Checked on Python 3.11 and 3.12."""
+    Checked on Python 3.11."""
     try:
         return sys._getframe(depth + 1)
     except ValueError:  # fewer frames than that
