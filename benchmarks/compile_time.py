@@ -109,7 +109,7 @@ def plan_work(name: str, index: int) -> dict:
 
     from shrinkwrap.measure.profile import Options
     from shrinkwrap.measure.step import _setup
-    from shrinkwrap.processes import _build
+    from shrinkwrap.processes.copies import _build
 
     make, batch, _ = setup(name)
     device = torch.device("cuda")

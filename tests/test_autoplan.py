@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import shrinkwrap as sw
 from shrinkwrap.autoplan import candidates, parse_budget, scale_batch
+from shrinkwrap.autoplan import rows as rows_module
 from shrinkwrap.select import block_groups
 from toymodels import resnet64
 
@@ -648,7 +649,7 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
         return [next(plan_times) if pos == (1 if rnd % 2 == 0 else 0) else 10.0] * n
 
     monkeypatch.setattr(measure_turns, "_timed", fake_timed)
-    rows = ap._Rows(mlp, mlp(), BATCH, sw.Options(device="cpu", warmup=1, iterations=1), False, {}, None)
+    rows = rows_module.Rows(mlp, mlp(), BATCH, sw.Options(device="cpu", warmup=1, iterations=1), False, {}, None)
     search = _Search(rows, rows.probe, None, 1.0, 10.0, None, 10.0, False, False, 1.0)
     plan = sw.Plan.parse("checkpoint('1')")
     search.time_against_baseline(plan)
@@ -839,7 +840,8 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
         # turn (its error), and the fourth's turn never came. Without ``then``: compiled only.
         return len(plans), ([there, failed] if then else [None, None]) + ["BrokenProcessPool: ...", None][:len(plans) - 2]
 
-    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan.stages"], "compile_ahead", fake_ahead)
+    overlapped = sys.modules["shrinkwrap.autoplan.overlapped"]
+    monkeypatch.setattr(overlapped, "compile_ahead", fake_ahead)
 
     class Search(_Search):
         def measure_chosen(self, plan, isolate=True, beside=()):
@@ -854,6 +856,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     fresh = types.SimpleNamespace(stop_next=lambda: stopped.append(len(ahead)))
     stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True,
                                   fresh=fresh)
+    stage.compiled_ahead = lambda *args: overlapped.OverlappedRows.compiled_ahead(stage, *args)
     search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
@@ -954,7 +957,7 @@ def test_a_compile_argument_that_is_no_compile_step_fails_before_anything_is_mea
     import sys
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
-    monkeypatch.setattr(ap, "measure_plans", lambda *a, **k: pytest.fail("measured before reading compile="))
+    monkeypatch.setattr(rows_module, "measure_plans", lambda *a, **k: pytest.fail("measured before reading compile="))
     with pytest.raises(ValueError):
         sw.autoplan(mlp, BATCH, max_slowdown=2.0, compile=bad, **FAST)
 
@@ -994,7 +997,7 @@ class _Scripted:
         script = self
 
         class Search(ap._Search):
-            def measure_chosen(self, plan, isolate=True, beside=()):  # each plan measured once, as _Rows caches
+            def measure_chosen(self, plan, isolate=True, beside=()):  # each plan measured once, as Rows caches
                 if (str(plan), isolate and script.cuda) not in script.measured:
                     script.measured.append((str(plan), isolate and script.cuda))
                 if in_turns is not None:
@@ -1027,7 +1030,7 @@ def test_savings_that_do_not_add_up_are_measured_where_they_decide_the_set():
 
     class Search(ap._Search):
         def measure_chosen(self, plan, isolate=True, beside=()):
-            if not isolate:  # refined in this process (then measured again where it fits, as _Rows caches)
+            if not isolate:  # refined in this process (then measured again where it fits, as Rows caches)
                 measured.append(blocks(plan))
             return Row(plan, dataclasses.replace(prof, step_ms=8.0 + blocks(plan)))
 
@@ -1319,7 +1322,7 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
     from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
-    real = ap.measure_plans
+    real = rows_module.measure_plans
 
     def on_cuda(*args, **kwargs):
         report = real(*args, **kwargs)
@@ -1328,10 +1331,10 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
         return report
 
     allocated = [300]
-    monkeypatch.setattr(ap, "measure_plans", on_cuda)
+    monkeypatch.setattr(rows_module, "measure_plans", on_cuda)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cpu"), True, {})
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(device="cpu"), True, {})
     p = rows([sw.Plan.parse("swish()")], False)[0].profile
     assert (p.peak, p.first_peak, p.static) == (700, 900, 100)
     # What the rows leave themselves (cuBLAS's workspace) is theirs, as in a fresh process: the
@@ -1340,7 +1343,7 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
     p = rows([sw.Plan.parse("swish(), checkpoint('1.0')")], False)[0].profile
     assert (p.peak, p.first_peak, p.static) == (700, 900, 100)
     rows.close()
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cpu"), False, {})  # without CUDA nothing is held
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(device="cpu"), False, {})  # without CUDA nothing is held
     p = rows([sw.Plan.parse("swish()")], False)[0].profile
     assert (p.peak, p.first_peak, p.static) == (1000, 1200, 400)
     rows.close()
@@ -1370,7 +1373,7 @@ def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gp
     from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(device="cuda"), True, {})
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(device="cuda"), True, {})
     allocated = [0]
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
     for started, on_gpu, untouched in [(False, 0, True), (True, 0, True), (True, 512, False)]:
@@ -1391,13 +1394,13 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
     ap = sys.modules["shrinkwrap.autoplan.stages"]
 
     measured = []
-    real = ap.measure_plans
+    real = rows_module.measure_plans
 
     def recording(make, plans, batch, options, *, isolate, **kw):
         measured.extend((str(p), isolate) for p in plans)
         return real(make, plans, batch, options, isolate=False, **kw)  # no CUDA here: rows as if
 
-    class OnCuda(ap._Rows):
+    class OnCuda(rows_module.Rows):
         def __init__(self, *args):
             super().__init__(*args)
             self.cuda = True
@@ -1407,8 +1410,8 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
 
     from shrinkwrap.fit import Probe
 
-    monkeypatch.setattr(ap, "measure_plans", recording)
-    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "_Rows", OnCuda)  # autoplan() makes its rows
+    monkeypatch.setattr(rows_module, "measure_plans", recording)
+    monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "_rows_for", OnCuda)  # autoplan() makes its rows
     monkeypatch.setattr(sys.modules["shrinkwrap.autoplan"], "trains_under",  # the cap test passes
                         lambda make, batch, cap, plan, options: Probe(cap, True, reserved=cap))
     plan, report = sw.autoplan(mlp, BATCH, budget=budget, rounds=3, **FAST)
@@ -1437,7 +1440,7 @@ def test_where_the_plans_read_within_the_budget_do_not_train_under_its_cap_the_s
     ap, stages = sys.modules["shrinkwrap.autoplan"], sys.modules["shrinkwrap.autoplan.stages"]
     made, probed, verified = [], [], []
 
-    class OnCuda(stages._Rows):  # a CUDA run's stages; its rows measured here, as if isolated
+    class OnCuda(rows_module.Rows):  # a CUDA run's stages; its rows measured here, as if isolated
         def __init__(self, *args):
             super().__init__(*args)
             self.cuda = True
@@ -1446,8 +1449,8 @@ def test_where_the_plans_read_within_the_budget_do_not_train_under_its_cap_the_s
         def untouched(self):
             return False
 
-    real, verify = stages.measure_plans, stages._Search.verify
-    monkeypatch.setattr(stages, "measure_plans", lambda make, plans, batch, options, *, isolate, **kw: real(
+    real, verify = rows_module.measure_plans, stages._Search.verify
+    monkeypatch.setattr(rows_module, "measure_plans", lambda make, plans, batch, options, *, isolate, **kw: real(
         make, plans, batch, options, isolate=False, **kw))
     monkeypatch.setattr(stages._Search, "verify", lambda self, *a, **k: verified.append(1) or verify(self, *a, **k))
     # Which measured rows undominated verifies is decided by CPU step times here (the rows are
@@ -1461,7 +1464,7 @@ def test_where_the_plans_read_within_the_budget_do_not_train_under_its_cap_the_s
         probed.append((str(plan), made[0].cache[str(plan), False].profile.saved, ok))
         return Probe(cap, ok, oom=not ok, error=None if ok else "OutOfMemoryError (as if)", reserved=cap)
 
-    monkeypatch.setattr(ap, "_Rows", OnCuda)
+    monkeypatch.setattr(ap, "_rows_for", OnCuda)
     monkeypatch.setattr(ap, "trains_under", trains_under)
     plan, report = sw.autoplan(mlp, BATCH, budget=0.9, rounds=3, **FAST)
     failed = [saved for _, saved, ok in probed if not ok]
@@ -1473,8 +1476,11 @@ def test_where_the_plans_read_within_the_budget_do_not_train_under_its_cap_the_s
     assert all(r.fits is False for r in report.rows if str(r.plan) in {p for p, _, ok in probed if not ok})
 
 
-def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_meanwhile():
+def test_autoplan_leaves_the_callers_collector_and_modules_as_they_were():
+    # Nothing of the caller's process state changes: objects it froze stay frozen and none are
+    # added (during the rows or after), and sys.modules keeps its order.
     import gc
+    import sys
 
     during = []
 
@@ -1482,50 +1488,20 @@ def test_autoplan_sets_the_objects_alive_before_it_aside_from_the_collector_mean
         during.append(gc.get_freeze_count())
         return out.mean()
 
-    gc.unfreeze()
-    sw.autoplan(mlp, BATCH, budget=0.45, loss_fn=loss, **FAST)
-    assert min(during) > 0 and gc.get_freeze_count() == 0
-    gc.freeze()  # as Python 3.12 starts: some objects frozen already
-    try:
-        sw.autoplan(mlp, BATCH, budget=0.45, **FAST)
-    finally:
-        after = gc.get_freeze_count()
+    for frozen in (False, True):  # as Python 3.12 starts: some objects frozen already
         gc.unfreeze()
-    assert after == 0
-
-
-def test_what_autoplan_made_alive_before_the_baseline_row_is_set_aside_too_and_a_rows_garbage_is_not(monkeypatch):
-    """Objects made after autoplan began and alive once the baseline is measured (here, what the
-    factory keeps, as an import keeps its module) are frozen for the candidates' rows, so that each
-    row's full collection does not walk them; a row's own objects are not, nor what earlier rows
-    left, and everything is back with the collector afterwards."""
-    import gc
-
-    kept: list = []
-
-    def factory():
-        if not kept:
-            kept.append([object() for _ in range(10)])
-        return mlp()
-
-    from shrinkwrap.autoplan import stages
-
-    seen, earlier, calls = [], [], []
-    rows = stages._Rows.__call__
-    monkeypatch.setattr(stages._Rows, "__call__", lambda self, *a: calls.append(1) or rows(self, *a))
-
-    def loss(out):
-        row_own = [object()]
-        alive = {id(o) for o in gc.get_objects()}
-        seen.append((id(kept[0]) in alive, id(row_own) in alive, all(id(o) in alive for o in earlier)))
-        if len(calls) > 1:  # a row after the baseline's: what it leaves alive is set aside by no later freeze
-            earlier.append(row_own)
-        return out.mean()
-
-    sw.autoplan(factory, BATCH, budget=0.45, loss_fn=loss, **FAST)
-    # A candidate's row: the factory's objects frozen, its own and the rows' before it not.
-    assert len(earlier) > 10 and seen[-1] == (False, True, True), seen[-5:]
-    assert any(o is kept[0] for o in gc.get_objects()) and gc.get_freeze_count() == 0
+        if frozen:
+            gc.freeze()
+        before, order = gc.get_freeze_count(), list(sys.modules)
+        during.clear()
+        try:
+            sw.autoplan(mlp, BATCH, budget=0.45, loss_fn=loss, **FAST)
+            after = gc.get_freeze_count()
+        finally:
+            gc.unfreeze()
+        # Frozen objects still go when nothing refers to them: the count may fall, never rise.
+        assert during and max(during) <= before and after <= before and (after > 0) == frozen
+        assert [name for name in sys.modules if name in order] == order
 
 
 FIRST_ROW = '''
@@ -1572,17 +1548,17 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     warmups = []
-    real = ap.measure_plans
+    real = rows_module.measure_plans
 
     def recording(make, plans, batch, options, **kw):
         warmups.extend((str(p), options.warmup) for p in plans)
         return real(make, plans, batch, options, **kw)
 
-    monkeypatch.setattr(ap, "measure_plans", recording)
+    monkeypatch.setattr(rows_module, "measure_plans", recording)
     eager, compiled = sw.Plan([sw.checkpoint(r"1\.0")]), sw.Plan([sw.checkpoint(r"1\.0"), sw.compile(backend="eager")])
     for warmup, expected in [(None, [1, 1, 2]), (3, [3, 3, 3])]:
         warmups.clear()
-        rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), False, {}, warmup)
+        rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), False, {}, warmup)
         rows([sw.Plan(), eager, compiled], False)
         rows.close()
         assert [w for _, w in warmups] == expected
@@ -1596,7 +1572,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     events = []
-    real_rows, real_build, real_timing = ap.measure_plans, ap._build, ap.time_interleaved
+    real_rows, real_build, real_timing = rows_module.measure_plans, rows_module._build, rows_module.time_interleaved
 
     def rows_of(make, plans, batch, options, **kw):
         events.extend(("row", str(p)) for p in plans)
@@ -1610,10 +1586,10 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
         events.extend(("ran", name) for name in models)
         return real_timing(models, *args, **kw)
 
-    monkeypatch.setattr(ap, "measure_plans", rows_of)
-    monkeypatch.setattr(ap, "_build", built)
-    monkeypatch.setattr(ap, "time_interleaved", timed)
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
+    monkeypatch.setattr(rows_module, "measure_plans", rows_of)
+    monkeypatch.setattr(rows_module, "_build", built)
+    monkeypatch.setattr(rows_module, "time_interleaved", timed)
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
     search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
     baseline = rows([sw.Plan()], False)[0]
     whole = [c for c in candidates(mlp(), device="cpu") if not c.covers]
@@ -1625,7 +1601,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
     if cuda:
         assert events.index(("built", str(whole[-1]))) < events.index(("row", str(whole[0])))
     rows.close()
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
     search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
     events.clear()
     rest = [c for c in candidates(mlp(), device="cpu") if c.covers][:2]
@@ -1751,7 +1727,7 @@ def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row
     from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
     bad = sw.Plan.parse("checkpoint('no_such_module')")
     rows.warm_up(bad)  # no exception: the row below reports it
     assert rows.forward_ms(bad) == {}
@@ -1783,14 +1759,14 @@ def test_where_no_fresh_process_can_start_every_row_is_measured_here_and_the_hea
     from shrinkwrap.measure.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
-    rows = ap._Rows(lambda: mlp(), mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
-    assert "does not pickle" in rows.unsendable and ap._isolation(rows, False) == "in this process"
+    rows = rows_module.Rows(lambda: mlp(), mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    assert "does not pickle" in rows.unsendable and rows_module._isolation(rows, False) == "in this process"
     plan = sw.Plan.parse("checkpoint('1.0')")
     (row,) = rows([plan], True)  # asked for a fresh process's row: measured here
     assert row.profile is not None and list(rows.cache) == [(str(plan), False)] and rows.measured_here
     rows.close()
-    rows = ap._Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
-    assert rows.unsendable is None and ap._isolation(rows, False).startswith("candidates in this process")
+    rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
+    assert rows.unsendable is None and rows_module._isolation(rows, False).startswith("candidates in this process")
     rows.close()
 
 
@@ -1910,16 +1886,17 @@ def test_the_fresh_processes_are_primed_with_the_base_and_each_eager_plan_verifi
     # plan, whose iteration here would compile it; and not once the base made none.
     import types
 
-    from shrinkwrap.autoplan import stages
-    from shrinkwrap.autoplan.stages import _Rows, _Search
+    from shrinkwrap.autoplan import overlapped
+    from shrinkwrap.autoplan.overlapped import OverlappedRows as _Rows
+    from shrinkwrap.autoplan.stages import _Search
     from shrinkwrap.models import tiny_efficientnet
     from shrinkwrap.report import Row
 
-    monkeypatch.setattr(stages, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(overlapped, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=1 << 40))
     recorded = []
-    warm = stages._warm_process
-    monkeypatch.setattr(stages, "_warm_process", lambda make, plan, *a: recorded.append(str(plan)) or warm(make, plan, *a))
+    warm = overlapped._warm_process
+    monkeypatch.setattr(overlapped, "_warm_process", lambda make, plan, *a: recorded.append(str(plan)) or warm(make, plan, *a))
     compiled = sw.Plan.parse("channels_last(), compile()")
 
     def primed(make, batch, base, plans):
@@ -1964,7 +1941,7 @@ def test_on_cuda_a_primed_fresh_process_reads_the_same_row_without_cudnns_first_
     # recorded here, the row's process makes them before its row: its first iteration is then
     # a steady one, and what the row reads is the same to the byte.
     pytest.importorskip("torchvision")
-    from shrinkwrap.autoplan.stages import _Rows
+    from shrinkwrap.autoplan.overlapped import OverlappedRows as _Rows
     from shrinkwrap.measure.profile import Options
 
     plan = sw.Plan.parse("channels_last(), autocast(torch.bfloat16)")

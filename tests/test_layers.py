@@ -9,7 +9,7 @@ SRC = pathlib.Path(shrinkwrap.__file__).parent
 
 # Lowest first. A module may import its own layer's modules and any layer below, never above.
 LAYERS = [
-    {"_tree", "_wrapper", "models", "_version"},
+    {"_tree", "_wrapper", "models", "_version", "_compat"},
     {"select"},
     {"_rewrite"},
     {"step"},

@@ -265,7 +265,7 @@ def test_rows_start_fresh_processes_only_where_the_main_script_lets_them(tmp_pat
 def test_a_main_guard_is_read_in_the_forms_scripts_write_it():
     import ast
 
-    from shrinkwrap.processes import _defined_unguarded, _in_guard
+    from shrinkwrap.processes.sendable import _defined_unguarded, _in_guard
 
     source = """
 import torch as t
@@ -514,7 +514,7 @@ def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_clos
 
 
 def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_starts():
-    from shrinkwrap import processes
+    from shrinkwrap.processes import fresh as processes
     from shrinkwrap.processes import FreshProcesses
 
     for ahead in (False, True):
@@ -731,10 +731,10 @@ def test_a_turn_that_raises_is_its_plans_entry_and_the_others_turns_go_on():
 def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_its_turns(monkeypatch):
     import functools
 
-    from shrinkwrap import processes
+    from shrinkwrap.processes import ahead as processes
     from shrinkwrap.measure.profile import Options
 
-    monkeypatch.setattr(processes, "_held", lambda device, room: 2)  # the GPU's memory holds two
+    monkeypatch.setattr(processes, "_processes_fitting", lambda device, room: 2)  # the GPU's memory holds two
     options = Options(iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
              sw.Plan.parse("checkpoint('2'), compile(backend='aot_eager')")]
@@ -800,7 +800,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     settings no other test has touched; a setting that differs is still taken."""
     code = """if True:
         import torch, torch.nn as nn
-        from shrinkwrap.processes import compile_settings, _first_steps
+        from shrinkwrap.processes.ahead import compile_settings, _first_steps
         from shrinkwrap.measure.profile import Options
         from shrinkwrap.plan import Plan
         settings = compile_settings()
@@ -818,7 +818,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     # raises): it is sent, and taken, as that API's setting.
     code = """if True:
         import torch
-        from shrinkwrap.processes import compile_settings, _take_matmul_settings
+        from shrinkwrap.processes.settings import compile_settings, _take_matmul_settings
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         print(compile_settings()["matmul"])
     """
@@ -826,7 +826,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     assert "legacy" not in sent and sent["fp32_precision"] == "tf32"
     code = f"""if True:
         import torch
-        from shrinkwrap.processes import _take_matmul_settings
+        from shrinkwrap.processes.settings import _take_matmul_settings
         _take_matmul_settings({sent!r})
         print(torch.backends.cuda.matmul.fp32_precision)
     """
@@ -876,7 +876,7 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
 
 @pytest.mark.cuda
 def test_processes_ahead_count_what_this_process_keeps_cached_and_unused_as_free():
-    from shrinkwrap.processes import PROCESS_MARGIN, _held
+    from shrinkwrap.processes.ahead import PROCESS_MARGIN, _processes_fitting
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()
@@ -885,7 +885,7 @@ def test_processes_ahead_count_what_this_process_keeps_cached_and_unused_as_free
     block = torch.empty(free * 3 // 4, dtype=torch.uint8, device=device)
     del block  # kept by the allocator, unused: as after a row measured here
     assert torch.cuda.mem_get_info(device)[0] < free // 3  # what the card reports free now
-    assert _held(device, room) >= 3 and torch.cuda.memory_reserved(device) < free // 4
+    assert _processes_fitting(device, room) >= 3 and torch.cuda.memory_reserved(device) < free // 4
 
 
 @pytest.mark.cuda
@@ -916,7 +916,7 @@ def test_a_process_started_ahead_imports_the_modules_of_the_models_classes_and_n
         tmp_path, monkeypatch):
     import sys
 
-    from shrinkwrap.processes import _ready
+    from shrinkwrap.processes.fresh import _ready
 
     (tmp_path / "shrinkwrap_test_models_xyz.py").write_text("LOADED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -946,7 +946,7 @@ class _Tied(nn.Module):
 
 
 def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
-    from shrinkwrap.processes import _Copies
+    from shrinkwrap.processes.copies import _Copies
 
     original = _Tied()
     original.norm.running_mean.add_(1.0)
@@ -962,7 +962,7 @@ def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
 
 
 def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
-    from shrinkwrap.processes import _Copies
+    from shrinkwrap.processes.copies import _Copies
 
     original = nn.Linear(4, 4)
     original.register_buffer("table", torch.zeros(3, 4))
@@ -994,7 +994,7 @@ def test_a_row_built_to_be_thrown_away_is_not_restored():
 
 @pytest.mark.cuda
 def test_cuda_one_warm_up_iteration_reaches_an_eager_models_steady_peak():
-    # autoplan measures eager rows after one warm-up iteration (see _Rows.options_for): the peak
+    # autoplan measures eager rows after one warm-up iteration (see autoplan.rows.Rows.options_for): the peak
     # must be the one that more warm-up reaches, to the byte.
     from shrinkwrap.models import tiny_efficientnet
 
@@ -1134,7 +1134,7 @@ def test_replay_makes_the_calls_on_new_tensors_with_memory_to_spare_in_the_threa
 def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
     import concurrent.futures
 
-    from shrinkwrap import processes
+    from shrinkwrap.processes import fresh as processes
     from shrinkwrap.measure.first_use import Calls
 
     submitted, started = [], []

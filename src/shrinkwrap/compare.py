@@ -34,7 +34,10 @@ from .measure.ranks import rank_and_world
 from .measure.step import _clean, _setup, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
-from .processes import FreshProcesses, _build, _Copies, _said, _unsendable, model_maker
+from .processes import FreshProcesses, model_maker
+from .processes.copies import _build, _Copies
+from .processes.fresh import _error_line
+from .processes.sendable import _unsendable
 from .report import Report, Row
 
 Progress = Callable[[int, int, str], None]
@@ -110,7 +113,7 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is a row, not the end
         if not keep_going:
             raise
-        return ("failed", _said(exc)), matched, skipped
+        return ("failed", _error_line(exc)), matched, skipped
     finally:
         model = None  # this frame's reference must go before the cache is emptied for the next row
         _clean(device)

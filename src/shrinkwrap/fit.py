@@ -33,8 +33,10 @@ import torch
 import torch.nn as nn
 
 from ._tree import tree_map
-from .processes import (PROCESS_MARGIN, _build, _end, _said, _stop, _unsendable, compile_settings, model_maker,
-                        take_settings)
+from .processes import PROCESS_MARGIN, compile_settings, model_maker, take_settings
+from .processes.copies import _build
+from .processes.fresh import _end, _error_line, _stop
+from .processes.sendable import _unsendable
 from .measure.graphs import _graph_pools
 from .measure.profile import Options
 from .measure.step import _setup, device_name, resolve_device
@@ -126,7 +128,7 @@ def _probe(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
         torch.cuda.synchronize(device)
         ok, oom, error = True, False, None
     except Exception as exc:  # noqa: BLE001 - out of memory is the answer; anything else is reported
-        ok, oom, error = False, _out_of_memory(exc), _said(exc)
+        ok, oom, error = False, _out_of_memory(exc), _error_line(exc)
     pools = _graph_pools(device, [])[0] if ok else None
     return Probe(cap, ok, oom, error, torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device),
                  pools, built, time.perf_counter() - start)
@@ -146,7 +148,7 @@ def _run(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
             try:
                 out.append(future.result())
             except Exception as exc:  # noqa: BLE001 - a process that died (killed for memory, say)
-                out.append(Probe(cap, False, _out_of_memory(exc), _said(exc)))
+                out.append(Probe(cap, False, _out_of_memory(exc), _error_line(exc)))
         return out
     finally:
         for pool in pools:

@@ -4,7 +4,9 @@ The usual advice — "measure the effect at various levels and locations, then c
 checkpointed modules so that you fit within your memory budget but incur the smallest throughput
 impact" — done for the user, in stages. This package: :func:`autoplan` and the answer it
 gives (here); candidates and the exact choice of a set (``choose.py``); the measuring stages
-(``stages.py``); the compile stage's pieces (``compiled.py``). Step-time ratios in turns are
+(``stages.py``), which ask for rows for plans and never make them (``rows.py``: one after
+another; ``overlapped.py``: the work around them overlapped, on CUDA); the compile stage's
+pieces (``compiled.py``). Step-time ratios in turns are
 the measuring harness's (``shrinkwrap.measure.ratios``).
 
 1. Candidates come from the steps themselves (:meth:`shrinkwrap.step.Step.candidates`), found in
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import re
 import time
@@ -66,15 +67,16 @@ from ..processes import model_maker
 from ..report import Report, Row
 from .choose import Effect, candidates, _priced, _effect_notes
 from .compiled import _Ahead, _compile_step
-from .stages import SAME_MEMORY, _Rows, _gc_frozen, _isolation, _Search
+from .overlapped import OverlappedRows
+from .rows import Rows, _isolation
+from .stages import SAME_MEMORY, _Search
 
 Budget = Union[int, float, str, None]
 CAP_TRIES = 3  # plans trained under the budget's cap before the search aims lower
 CAP_ROUNDS = 3  # times the search aims lower before autoplan answers with no plan that trained
-# How far under the least plan that did not train under the budget's cap the search aims next: on an
-# H100 (torch 2.11) eager plans trained under caps 1-9% over their readings, and three answers that
-# read 0.6-6% under their budget did not train under it (bert, resnet152, resnet18, bf16 with the
-# optimizer's state on the CPU).
+# How far under the least plan that did not train under the budget's cap the search aims next: an
+# eager plan trains under a cap a few percent over its reading, and an answer read a few percent
+# under its budget may not train under it (benchmarks/RESULTS.md, "What fits").
 HEADROOM = 0.08
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -188,13 +190,23 @@ def autoplan(
     options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
-    with _gc_frozen(), contextlib.closing(_Rows(make, make(), batch, options, cuda, {} if cache is None else cache,
-                                                warmup)) as rows:
+    with contextlib.closing(_rows_for(make, make(), batch, options, cuda, {} if cache is None else cache,
+                                      warmup)) as rows:
         answer = _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
                            isolate_candidates, progress, compile_step)
     if progress:
         progress(1, 1, "done")  # a bar ends its line
     return answer
+
+
+def _rows_for(make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
+              cache: dict, warmup: int | None) -> Rows:
+    """Where autoplan's rows come from: the plain sequential path (:class:`~.rows.Rows`), and on
+    CUDA, where rows run in fresh processes, that path with the work around them overlapped
+    (:class:`~.overlapped.OverlappedRows`; what each mechanism buys: docs/architecture.md,
+    "autoplan's processes"). Where no fresh process can start, the overlapped rows do what the
+    sequential ones do."""
+    return (OverlappedRows if cuda else Rows)(make, model, batch, options, cuda, cache, warmup)
 
 
 def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str]]:
@@ -215,7 +227,7 @@ def _answer(search: _Search, tried: list[Row], base: Row) -> tuple[Row, list[str
     return final, [f"no plan found within the limits; the smallest memory found is {found}"]
 
 
-def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, max_slowdown: float | None,
+def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, max_slowdown: float | None,
               allow_lossy: bool, maximize: str, rounds: int, tolerance: float, isolate_candidates: bool,
               progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
     make, batch, options, cuda = rows.make, rows.batch, rows.options, rows.cuda
@@ -225,14 +237,8 @@ def _autoplan(rows: _Rows, probe: nn.Module, dev: torch.device, budget: Budget, 
     # Candidates are compared with a baseline measured the same way (in this process unless asked
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
     # each in a fresh process on CUDA, or as fresh: first in this process, where nothing of it is
-    # on the GPU yet (see _Rows).
+    # on the GPU yet (see rows.Rows).
     base = rows([Plan()], True)[0]
-    # What autoplan made alive since it began is set aside from the collector as well (see
-    # _gc_frozen): listing the candidates imports dynamo and sympy, 118k objects, and each row
-    # walked them in its full collections (maxvit_t @64 on an H200: 3.4 s of an eager call's
-    # collections, 0.5 s with them set aside). Collected first, so that no garbage is set aside.
-    gc.collect()
-    gc.freeze()
     if base.profile is None and base.status == "oom":
         raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "
                            "autoplan measures every plan against it: pass a batch it fits at (with a budget, "
@@ -462,7 +468,7 @@ def _last_of_each(rows: list[Row]) -> list[Row]:
     return rows[:1] + [r for r in rows[1:] if last[str(r.plan)] is r and str(r.plan) != str(rows[0].plan)]
 
 
-def _under_cap(rows_in_order: list[Row], rows: _Rows, cap: float) -> tuple[Row | None, list[str]]:
+def _under_cap(rows_in_order: list[Row], rows: Rows, cap: float) -> tuple[Row | None, list[str]]:
     """The first of ``rows_in_order`` whose plan trains its first iterations on a fresh model in a
     fresh process whose allocator may reserve at most ``cap`` bytes (:func:`shrinkwrap.trains_under`),
     marked on the row, and a note per plan tried. (None, notes) where none does, or where the rows

@@ -148,11 +148,9 @@ def _priced(effects: list[Effect], forward: dict[str, float]) -> list[Effect]:
     about 3 times their forward). Where the forward was not timed, a region costs what its row
     read, but no less than nothing.
 
-    A row is three iterations, and on an H100 one row differs from the next by more than a
-    region's recompute: resnet152's 33 candidate rows read from -14 to +28 ms on top of a base
-    of about 80 ms (two single blocks of layer2, alike in every way, +27.6 and -9.0 ms), and
-    efficientnet_b0's down to -11 ms. Taken as free, the search chose them all; its first plans
-    timed 2.1-2.3x the baseline against the 1.0-1.5x predicted."""
+    A row is three iterations, and one row differs from the next by more than a region's
+    recompute (two blocks alike in every way can read a cost and a saving of time): taken as
+    free, the search would choose every region, and its first plans time far over the limit."""
     def region(e: Effect) -> bool:
         return bool(e.candidate.covers) and all(s.recomputes for s in e.candidate.steps) and not e.error
 

@@ -16,7 +16,7 @@ from ..compare import _as_row, _row
 from ..measure.ratios import timed_against, within_slowdown
 from ..measure.profile import Options
 from ..plan import Plan
-from ..processes import _build
+from ..processes.copies import _build
 from ..report import Row
 from ..select import _inside, innermost_blocks, pattern_for
 from ..step import Step
@@ -49,11 +49,9 @@ def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     what its :meth:`~shrinkwrap.step.Step.under_budget` says: a ResNet stem's chain region keeps
     its convolution, which the partitioner never recomputes.
 
-    On an H100 (torch 2.11, 2026-11-24) ``autocast(bf16), compile(memory_budget=0.6)`` kept 1830
-    MiB of efficientnet_b0 @128's activations at 0.63x fp32 eager's step time, where autoplan's
-    compiled checkpoint plan kept 1956 MiB at 0.83x; resnet18 (with channels_last) 804 MiB at
-    0.50x against 875 MiB at 0.52x. Budgets of 0.5 and 0.4 kept more on resnet18, not less: the
-    partitioner's choice is not monotonic in it, so one budget, not a search over it."""
+    The partitioner's form can keep less than a compiled checkpoint plan at a faster step; its
+    choice is not monotonic in the budget (lower budgets can keep more), so one budget, not a
+    search over it (benchmarks/RESULTS.md, "Per model: plans beside what users do")."""
     (compile_step,) = step.steps
     if compile_step.memory_budget is not None or compile_step.backend not in PARTITIONING or compile_step.pattern:
         return None
@@ -65,10 +63,9 @@ def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
 def _every_block(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     """``plan`` with its regions replaced by every block of the model's stacks, each a region of
     its own, and ``step`` last: the one-line recipe (torch's ``checkpoint_wrapper`` on every block,
-    compiled) as a plan, so that the compile stage measures it beside its own answer. On an
-    H200 (torch 2.11) that recipe compiled kept Swin-T @64 at 0.196x fp32's activation and 1.28x
-    compile + bf16's time, where an eager answer of autoplan kept 0.30x at 3.07x. ``None`` where
-    the model has no stack of blocks."""
+    compiled) as a plan, so that the compile stage measures it beside its own answer: on a
+    transformer it can beat an eager answer on both memory and time (benchmarks/RESULTS.md,
+    "autoplan on models it was not tuned on"). ``None`` where the model has no stack of blocks."""
     blocks = innermost_blocks(model)
     every = Checkpoint(pattern_for(model, blocks)) if blocks else None
     if every is None or not every.applies(model):
@@ -80,10 +77,8 @@ def _every_block(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
 def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
     """``steps``, with the stem convolutions that they recompute (``checkpoint('conv1')``) under
     ``channels_last()`` put first in the space-to-depth form (``space_to_depth('conv1')``): such a
-    convolution runs twice, and that form is the faster. resnet18 @128 under ``checkpoint('conv1'),
-    channels_last(), autocast(bf16), compile(mode='reduce-overhead', memory_budget=0.6)`` ran
-    0.97-1.01x compile + bf16's step time, and 0.88-0.92x with it, at the same memory (H100, torch
-    2.11, 2026-11-26, three runs)."""
+    convolution runs twice, and that form is the faster at the same memory (benchmarks/RESULTS.md,
+    resnet18's rows)."""
     regions = [n for s in steps if isinstance(s, Checkpoint) for n in s.targets(model).matched]
     if any(isinstance(s, SpaceToDepth) for s in steps) or not (
             regions and any(isinstance(s, ChannelsLast) for s in steps)):
@@ -132,9 +127,9 @@ class _Turn:
 
     The plan's graphs compiled there already: neither the row nor the timing compiles them again
     (dynamo traces the new model from the process's own caches), so the row's first iteration is
-    a steady one, not a compilation. Measured in the autoplan process instead, each plan compiled
-    a second time from the on-disk caches: on an H100 (torch 2.11, 2026-11-27) 19-76 s a plan for
-    swin_t @64, 135 s of that call's 430."""
+    a steady one, not a compilation. Measured in the autoplan process instead, each plan is
+    compiled a second time from the on-disk caches (what that costs: docs/architecture.md,
+    "autoplan's processes")."""
 
     metric: Callable[[Row], Any]
     slowdown: float | None
@@ -173,10 +168,3 @@ class _Turn:
         seconds = (row_s, None if timings is None else time.perf_counter() - started)
         return (result, matched, skipped, timings, seconds), mem if within else math.inf
 
-
-def _cache_counts() -> tuple[int, int]:
-    """AOTAutograd's cache hits and misses so far in this process (a graph compiled from the
-    caches or anew)."""
-    from torch._dynamo.utils import counters
-
-    return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]

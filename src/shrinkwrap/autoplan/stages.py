@@ -1,233 +1,30 @@
-"""The measuring stages: rows measured once each (in this process or fresh ones), and the search
-that runs the stages over them (base, candidates on top, the verified answer, the compiled
-plans) against the limits."""
+"""The measuring stages: the search that runs the stages (base, candidates on top, the verified
+answer, the compiled plans) against the limits, over rows it asks of :class:`~.rows.Rows` and
+never makes itself."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
-import gc
 import math
-import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import torch
 import torch.nn as nn
 
-from ..compare import Progress, _as_row, _warm_process, measure_plans
-from ..measure import first_use
-from ..measure.profile import Options
+from .._compat import aot_autograd_cache_counts
+from ..compare import Progress, _as_row
 from ..measure.ratios import ratio_interval, timed_against, within_slowdown
-from ..measure.step import resolve_device
-from ..measure.turns import forward_times, time_interleaved
 from ..plan import Plan
-from ..processes import AHEAD, PROCESS_MARGIN, FreshProcesses, _build, _Copies, _unsendable, compile_ahead
 from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
 from .choose import (SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone, _timing_decides,
                      _without)
-from .compiled import _budgeted, _every_block, _Ahead, _cache_counts, _Turn
+from .compiled import _budgeted, _every_block, _Ahead, _Turn
+from .rows import Rows
 
 BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
 # and this much of the time limit is added to the room regions are left unmeasured against (on_top)
-
-
-class _Rows:
-    """Measured rows, each plan measured once (keyed by its text and whether it ran isolated).
-
-    Rows in this process are built from copies of one model the factory made (on an H100,
-    building a random-initialised bert took 1.7 of the 4.2 s each candidate row took) and skip
-    the per-module log; isolated rows run in fresh processes, started ahead: two (:data:`AHEAD`)
-    while this process measures the candidates, each next one as a row starts, each making the
-    calls of cuDNN's first use before its row (see :class:`FreshProcesses`, :meth:`start_ahead`
-    and :meth:`prime`)."""
-
-    def __init__(self, make: Callable[[], nn.Module], model: nn.Module, batch: Any, options: Options, cuda: bool,
-                 cache: dict, warmup: int | None = None) -> None:
-        self.make, self.batch, self.options, self.cuda, self.cache = make, batch, options, cuda, cache
-        self.warmup = warmup
-        self.local = _copies_of(make, model)
-        # The model to read names from: the copy kept on the CPU, where there is one, so that the
-        # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
-        # out one shared model).
-        self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
-        self.fresh = FreshProcesses(make, sorted({type(m).__module__ for m in model.modules()}), ahead=True)
-        # Why no fresh process can start (see _unsendable), or None: every row is then measured here.
-        self.unsendable = _unsendable((make, batch, options)) if cuda else None
-        self.measured_here = False  # whether a row has run in this process
-        self.foreign: int | None = None  # what the process held on the GPU before the first row (see held)
-        self.primed: set[str] = set()  # the plans whose calls the fresh processes make (see prime)
-        self.primed_none = False  # the first plan recorded made no call to prime
-
-    def options_for(self, plan: Plan) -> Options:
-        """The options ``plan``'s rows are measured and timed with. Unless the caller set ``warmup``:
-        one warm-up iteration for an eager plan, whose first iteration makes what the optimizer
-        keeps, so that the second, the one measured, is steady (a CUDA test checks that its peak is
-        two warm-ups' to the byte); two for a compiled plan, which dynamo may compile again on its
-        second call. One iteration less per candidate: on an H100, resnet152's 33 candidates ran
-        6 iterations each of about 0.1 s."""
-        if self.warmup is not None:
-            return dataclasses.replace(self.options, warmup=self.warmup)
-        compiled = any(s.name == "compile" for s in plan.steps)
-        return dataclasses.replace(self.options, warmup=2 if compiled else 1)
-
-    def untouched(self) -> bool:
-        """Whether nothing of this process is on the GPU: CUDA not started, or nothing allocated
-        (a factory that builds on the GPU starts CUDA; the copies are on the CPU and its model
-        is let go). A process that has run a matmul holds cuBLAS workspaces, and a caller's
-        tensors count too."""
-        if not self.cuda or not torch.cuda.is_initialized():
-            return self.cuda
-        if torch.cuda.memory_allocated(self.options.device):
-            gc.collect()  # a model in a reference cycle waits for the collector
-        return torch.cuda.memory_allocated(self.options.device) == 0
-
-    def __call__(self, plans: list[Plan], isolate: bool) -> list[Row]:
-        if self.foreign is None:
-            self.foreign = self.held()
-        isolate = isolate and self.cuda and not self.unsendable  # a subprocess buys nothing without CUDA
-        todo = [p for p in plans if (str(p), isolate) not in self.cache]
-        empty = next((p for p in todo if not p.steps), None)
-        if isolate and empty is not None and not self.measured_here and self.untouched():
-            # The baseline, before any row in this process and with nothing of it on the GPU: it
-            # sees what a fresh process would (every byte of its peak its own), without the 12-20
-            # s a process takes to start (bert on an H100). The row serves both keys.
-            row = measure_plans(self.local, [empty], self.batch, self.options_for(empty), isolate=False,
-                                keep_going=True).rows[0]
-            self.cache[str(empty), True] = self.cache[str(empty), False] = row
-            self.measured_here = True
-            todo.remove(empty)
-        for plan in todo:
-            if isolate:
-                row = measure_plans(self.make, [plan], self.batch, self.options_for(plan), isolate=True,
-                                    keep_going=True, processes=self.fresh).rows[0]
-            else:
-                row = self._here(plan)
-            self.cache[str(plan), isolate] = row
-        return [dataclasses.replace(self.cache[str(p), isolate]) for p in plans]
-
-    def model(self, plan: Plan) -> nn.Module:
-        """A copy of the model on the device, with ``plan`` applied: what this process runs."""
-        return _build(self.local, resolve_device(self.options.device), plan)
-
-    def warm_up(self, plan: Plan) -> None:
-        """Run ``plan`` for a few iterations in this process, unless its row ran here already:
-        what its layout and types use first (cuDNN's choice of kernels) is then not in its row.
-        On an H100 the first efficientnet_b0 row with ``channels_last(), autocast(bf16)`` in a
-        process stepped in 48 ms and the next in 39 ms (its first step took 14.5 s: cuDNN's first
-        use of that layout and type); measured cold, the base read slow, and every candidate on
-        top of it read faster than it, down to -17 ms, so the search took them all. resnet18's
-        first ``autocast(bf16)`` row read +31.6 ms over a 28 ms baseline, and the search left it."""
-        if (str(plan), False) not in self.cache:
-            self.measured_here = True
-            try:
-                time_interleaved({"warm-up": self.model(plan)}, self.batch, self.options_for(plan), rounds=1,
-                                 per_round=2)
-            except Exception:  # noqa: BLE001 - the plan's row records what failed, as a row and a note
-                pass
-
-    def _keep(self) -> int | None:
-        """What the fresh processes' replays leave free on the GPU: two of the baseline's peaks
-        and the margins of this process, a row's and those waiting (a row here, and one in a
-        fresh process beside it, may still grow to the peak); None off CUDA, before the baseline,
-        or where the device has no more than that beyond what this process held before its
-        first row."""
-        base, device = self.cache.get(("", True)), resolve_device(self.options.device)
-        if base is None or base.profile is None or device.type != "cuda":
-            return None
-        keep = (2 + AHEAD) * PROCESS_MARGIN + 2 * max(base.profile.peak or 0, base.profile.first_peak or 0)
-        total = torch.cuda.get_device_properties(device).total_memory
-        return keep if total - (self.foreign or 0) > keep else None
-
-    def start_ahead(self) -> None:
-        """Start the fresh processes that wait for the verified plans' rows (:class:`FreshProcesses`):
-        :data:`AHEAD` where the GPU has the room :meth:`_keep` asks for, else one (each holds
-        a CUDA context)."""
-        self.fresh.depth = AHEAD if self._keep() is not None else 1
-        self.fresh.start_next()
-
-    def prime(self, plan: Plan) -> None:
-        """Record the library calls one iteration of ``plan`` makes here (cuDNN's, whose first use
-        at each shape, layout and type costs a process seconds: see
-        :mod:`~shrinkwrap.measure.first_use`), and have the fresh processes started ahead make
-        those they were not given yet before their rows (:meth:`FreshProcesses.prime`). The base
-        is recorded as the candidates' rows end, and each plan verified as its row here is read,
-        while the plan is timed in turns and before its row in a fresh process: a plan adds calls
-        the base never made (a checkpoint's recompute runs its convolutions on autograd's thread,
-        whose plans are its own; ``channels_last`` measured on top of a base without it). On an
-        H100, efficientnet_b0's verified plans took 0.18-0.24 s in their first iteration in a
-        process primed with their own calls, 0.72-0.74 s with the base's alone, and 11.5 s where
-        the base lacked their layout. A replay makes a call only where its device has room for
-        it beyond :meth:`_keep`. On CUDA only, where rows run in fresh processes; not for a
-        compiled plan (its iteration here would compile it), and not once the first plan
-        recorded made no such call."""
-        keep = self._keep()  # None off CUDA
-        if keep is None or self.unsendable or not first_use.SUPPORTED or str(plan) in self.primed or self.primed_none \
-                or any(s.name == "compile" for s in plan.steps):
-            return
-        self.measured_here = True
-        self.primed.add(str(plan))
-        with first_use.recorded() as calls:
-            ran = _warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
-        # A model without convolutions or cuDNN attention makes none under any plan: one iteration
-        # a verified plan would be spent recording nothing.
-        self.primed_none = ran and not calls and len(self.primed) == 1
-        if calls:
-            self.fresh.prime(calls, keep)
-
-    def _here(self, plan: Plan) -> Row:
-        """``plan``'s row in this process, on a copy of the model, without the per-module log. On
-        CUDA the peaks are read above what the process held before its first row (:meth:`held`):
-        a fresh process would not hold it, and the limits are a fresh process's figures. What the
-        rows themselves leave (cuBLAS's workspace) stays in: a fresh process makes its own."""
-        options = dataclasses.replace(self.options_for(plan), module_log=False)
-        self.measured_here = True
-        held = self.foreign or 0
-        row = measure_plans(self.local, [plan], self.batch, options, isolate=False, keep_going=True).rows[0]
-        p = row.profile
-        if held and p is not None and p.peak is not None:
-            row.profile = dataclasses.replace(p, peak=p.peak - held, static=None if p.static is None else p.static - held,
-                                              first_peak=None if p.first_peak is None else p.first_peak - held)
-        return row
-
-    def held(self) -> int:
-        """The bytes this process holds on the GPU now: before the first row, a caller's tensors,
-        a model it passed as an instance, what earlier work left (not cuBLAS's workspaces). A row
-        measured here would read them as its own (in a test process after two other tests, on an
-        H100, resnet18's rows read about 386 MiB above their fresh figures: ``channels_last()``
-        965.1 MiB against a fresh baseline of 579.8, and autoplan found no plan within a budget of
-        376.9 MiB). Nothing without CUDA, or before CUDA has started."""
-        if not self.cuda or not torch.cuda.is_initialized():
-            return 0
-        gc.collect()  # a model in a reference cycle waits for the collector
-        # cuBLAS's workspaces from the caller's matmuls would be the rows' own in a fresh process:
-        # let go, they are made again by the first row that needs them, and count there.
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # a CUDA build's
-        if clear is not None:
-            clear()
-        return torch.cuda.memory_allocated(self.options.device)
-
-    def forward_ms(self, plan: Plan) -> dict[str, float]:
-        """Each module's forward time under ``plan`` in this process (:func:`forward_times`), or
-        nothing where the plan cannot run."""
-        self.measured_here = True
-        try:
-            return forward_times(self.model(plan), self.batch, self.options_for(plan))
-        except Exception:  # noqa: BLE001 - the base's row records what failed; regions are then priced by their rows
-            return {}
-
-    @property
-    def baseline_here(self) -> bool:
-        """Whether the isolated baseline was measured in this process (by this call or an earlier
-        one that shared the cache): the one row that serves both keys."""
-        row = self.cache.get(("", True))
-        return row is not None and row is self.cache.get(("", False))
-
-    def close(self) -> None:
-        self.fresh.close()
 
 
 def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
@@ -237,11 +34,9 @@ def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
     stage of stages gives its stages' blocks); None where there is none. A stage's region
     recomputes the whole stage at once in backward and holds its activations then, a region per
     block one block's; alone, their rows can read alike, and summed savings cannot tell them
-    apart where other regions move the peak. On ConvNeXt-T @64 the search takes stages whole in
-    candidates over two of features' children (a stage and its downsample): unrefined, the 1.0x
-    answer keeps 0.29x fp32's activation where torch's ``checkpoint_wrapper`` on every block keeps
-    0.16x at a faster step; refined module by module, it keeps 0.16x too (H200, torch 2.11). The
-    replacement's figures stand in as the region's until its plan is measured."""
+    apart where other regions move the peak (ConvNeXt's stages: unrefined, an answer keeps more
+    activation than every block checkpointed, at a slower step). The replacement's figures stand
+    in as the region's until its plan is measured."""
     out, changed = [], False
     for e in chosen:
         covers, steps = e.candidate.covers, e.candidate.steps
@@ -258,49 +53,11 @@ def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
     return out if changed else None
 
 
-@contextlib.contextmanager
-def _gc_frozen() -> Iterator[None]:
-    """The objects alive when autoplan starts set aside from the garbage collector meanwhile
-    (``gc.freeze``): every row empties the CUDA cache after a full collection, in case cycles
-    hold tensors, and in a process that has imported transformers a full collection took 0.3 s
-    on an H100 machine, 18 of the 40 s bert's candidates took. What a row leaves behind is made
-    after the start, so it is still collected. Everything frozen is unfrozen at the end, what the
-    caller may have frozen before too (Python 3.12 starts with objects frozen): back in the oldest
-    generation, collected as usual; only a process that froze objects to keep memory pages shared
-    with its forks would notice. autoplan freezes once more after the baseline's row, what it
-    imported meanwhile (see ``_autoplan``)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _isolation(rows: _Rows, isolate_candidates: bool) -> str:
-    """Where the report's rows were measured, for its header."""
-    if not rows.cuda or rows.unsendable:
-        return "in this process"
-    where = "in subprocesses" if isolate_candidates else "candidates in this process, chosen plans in subprocesses"
-    return where + ("; the baseline first in this process, with nothing else on the GPU" if rows.baseline_here
-                    else "; the baseline in a subprocess")
-
-
-def _copies_of(make: Callable[[], nn.Module], model: nn.Module) -> Callable[[], nn.Module]:
-    """Fresh models for rows in this process: copies of ``model``, new from ``make`` and untouched,
-    kept on the CPU; ``make`` itself where the model cannot be copied."""
-    if isinstance(make, _Copies):
-        return make
-    try:
-        return _Copies(copy.deepcopy(model).to("cpu"))
-    except Exception:  # noqa: BLE001 - deepcopy fails in many ways (locks, open files, C handles)
-        return make
-
-
 @dataclasses.dataclass
 class _Search:
     """What the stages share: how to measure, the limits, and the baseline they are read against."""
 
-    rows: _Rows
+    rows: Rows
     model: nn.Module  # one fresh model, to read names from (plans are measured on others)
     metric: Callable[[Row], Any]
     base_mem: float
@@ -421,8 +178,8 @@ class _Search:
         other candidates (measured first) win back, plus ``BEATEN`` of the limit, as a plan grown
         in verifying is given the room its time in turns leaves, and one row's time is noisier
         than that. The regions' price scale (:func:`_priced`) is then the median over the
-        regions measured. On an H100 at a 1.0x limit efficientnet_v2_s measured 35 candidates in
-        64.6 s, 28 of them regions, and answered with none."""
+        regions measured. Most of a convolutional model's candidates are regions, and at a tight
+        limit none of them is the answer."""
         if base_steps and self.rows.cuda and not self.isolate_candidates:
             self.rows.warm_up(Plan(base_steps))  # every candidate is read against the base's row
         cached = getattr(self.rows, "cache", {})
@@ -476,9 +233,9 @@ class _Search:
           ones partly because their rows read cheap. What the plan took beyond its prediction
           (from ``start``, the base's predicted memory and time) raises the costs
           (:func:`_raised`: every region priced by its forward time scaled alike, or else a
-          share for each candidate chosen on top of the base), and the search runs again: on an H100,
-          resnet152's first plan for a 1.5x limit timed 2.59x, and dropping the costliest
-          candidate one round at a time still left 1.67x after four rounds. Where that finds
+          share for each candidate chosen on top of the base), and the search runs again: dropping
+          the costliest candidate one round at a time can leave a plan far over the limit after
+          every round (a first plan can time near twice its limit). Where that finds
           nothing new, the costliest is dropped (what was measured on top of the base first:
           the base is what those measurements assume).
         - Over budget: the next candidates are added.
@@ -503,11 +260,11 @@ class _Search:
             self.sets.setdefault(str(plan), list(chosen))
             if progress:
                 progress(done + r, done + rounds, f"verify {plan}")
-            # Refined in this process (seconds: a copy of the model), answered from a fresh one (on
-            # an H100, 12 s a resnet152 row, most of it the process's start and first kernels).
+            # Refined in this process (seconds: a copy of the model), answered from a fresh one (a
+            # row there is mostly the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
             # Grown into the room the plan surely leaves: its row's own time, or even its median in
-            # turns, left resnet152 room at 1.013x a 1.0x limit, and three grown plans went over it.
+            # turns, can leave room the plan does not have, and grown plans then go over the limit.
             nxt = self.search(self._rest(effects, chosen, dropped), self.metric(row), self.measured_t(row, upper=True)) \
                 if grow and self.fits(row) and r + 1 < rounds else []
             if nxt and sum(e.saving for e in nxt) < SAME_MEMORY / (1 + SAME_MEMORY) * self.metric(row):
@@ -619,15 +376,15 @@ class _Search:
         in :data:`BEATEN` less time is measured as a chosen plan is (:meth:`measure_chosen`), and
         the answer is chosen again. No row of its own search then beats the answer on both axes
         beyond one row's noise, and a looser limit cannot answer with a plan that a tighter
-        limit's answer beats (on an H200 the 1.5x answer for efficientnet_b0 once kept the 1.0x
-        answer's memory at 1.5x its time). Where the least memory within a time limit is the
+        limit's answer beats (a looser limit's answer that keeps the tighter one's memory at more
+        time). Where the least memory within a time limit is the
         answer (no budget, or ``maximize="batch"``), a row that reads at least
         :data:`SAME_MEMORY` less than the answer within the limit by its own time is verified
         too, the least memory first, once no faster row of alike memory is left to verify: the
         plans verified grow from the search's choice and shrink from it by dropping, and a
-        candidate's own row may fit where none of them did (on an H100, efficientnet_v2_s at
-        1.0x answered with the model as it is beside its ``autocast(bf16)`` row, which read 47%
-        less memory in 10% less time). Where no plan verified meets the time limit, the answer
+        candidate's own row may fit where none of them did (a whole-model step's row that reads
+        less memory in less time than the model as it is). Where no plan verified meets the time
+        limit, the answer
         is the model as it is (:func:`_answer`), and the rows are read against it, fresh too.
         Other answers outside the limits are not guarded. At most ``tries`` plans in all: each is
         a fresh process and a timing in turns."""
@@ -670,8 +427,8 @@ class _Search:
         at once and the plans run no CUDA graphs, each is measured in its own, and timed in turns
         there where its time can decide (:meth:`compile_ahead`). Otherwise each is measured as the
         verified plans are (:meth:`measure_chosen`) but in this process: the timing in turns
-        compiles the plan here anyway, and a fresh process would compile it a second time (on an
-        H100 that was most of autoplan's time: 114 of 149 s on resnet18); without a budget (or
+        compiles the plan here anyway, and a fresh process would compile it a second time (most of
+        a compile=True call's time); without a budget (or
         with ``maximize="batch"``) one that reads more memory than a plan already within the
         limits is then not timed in turns (:meth:`outdone`). A plan that fails to compile is a
         row with its error."""
@@ -679,7 +436,7 @@ class _Search:
         smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
-        # most, and each plan here is a compilation (resnet152's take minutes).
+        # most, and each plan here is a compilation (minutes on a large model).
         budgeted = [_budgeted(final, step, self.model)]
         kept = _budgeted(smallest, step, self.model)
         if kept is not None and any(s.recomputes for s in kept.steps):
@@ -688,7 +445,7 @@ class _Search:
         plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         there = self.compile_ahead(plans, step.steps[0], progress, tried)
-        before = _cache_counts() if self.ahead else None
+        before = aot_autograd_cache_counts() if self.ahead else None
         rows = []
         for i, plan in enumerate(plans):
             if progress:
@@ -704,67 +461,28 @@ class _Search:
             row.role = "compiled"
             rows.append(row)
         if before is not None:
-            self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(_cache_counts(), before))
+            self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(aot_autograd_cache_counts(), before))
         if progress:
             progress(len(plans), len(plans), "compiled plans measured")
         return rows
 
     def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None,
                       beside: list[Row] = ()) -> dict[Plan, tuple]:
-        """Compile ``plans`` (those not measured yet) in processes side by side first
-        (:func:`~shrinkwrap.processes.compile_ahead`), as many at once as the GPU's free memory
-        holds at the baseline's peak each: on CUDA, with inductor (the backend whose work is kept
-        on disk), unless ``step``'s mode tunes kernels as it compiles (``max-autotune``: chosen
-        beside other processes, the choice would be kept in the cached graph). On an H100,
-        resnet152's plans took 97-119 s each to compile cold and 6-8 s from the caches.
-
-        Unless the plans run CUDA graphs, each is then measured there, one process at a time once
-        all have compiled (in waves of as many as run at once, where fewer do), and timed in
-        turns there, least memory first (within its wave), unless a row ``beside`` them or timed
-        before it answers first (:class:`_Turn`): returns those plans' rows and timings in turns.
-        The others this process compiles from the on-disk caches. On an H100 (80 GB, torch 2.11)
-        the free memory, read with this process's cached blocks still held, held two processes
-        at maxvit_t @64's baseline peak (19311 MiB): its four plans went in two waves, the last
-        compiled after 541 s; with them handed back it holds three (see ``_held``)."""
-        if step.backend != "inductor" or "max-autotune" in (step.mode or "") or not self.rows.cuda:
+        """``plans`` compiled (and where they can be, measured and timed) elsewhere before this
+        process measures the rest (:meth:`~.rows.Rows.compiled_ahead`): each measured there is
+        timed in turns, least memory first, unless a row ``beside`` them or timed before it
+        answers first (:class:`_Turn`). Returns those plans' rows and timings in turns, by plan.
+        Only with inductor (the backend whose work is kept on disk), and not where ``step``'s mode
+        tunes kernels as it compiles (``max-autotune``: chosen beside other processes, the choice
+        would be kept in the cached graph)."""
+        if step.backend != "inductor" or "max-autotune" in (step.mode or ""):
             return {}
-        plans = [p for p in plans if (str(p), False) not in self.rows.cache]  # measured here already: compiled
-        if len(plans) < 2:
-            return {}
-        if progress:
-            progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
-        started = time.perf_counter()
-        self.rows.fresh.stop_next()  # their CUDA contexts are no room for a plan
-        base = self.rows.cache.get(("", True))
-        room = max(base.profile.peak or 0, base.profile.first_peak or 0) if base and base.profile else None
         within = self.within(beside)
         turn = _Turn(self.metric, None if self.max_t is None else self.max_slowdown, self.tolerance, self.target,
                      None if within is None else tuple(within))
-        # Not where the plans run CUDA graphs: the first iterations' graphs keep their pool in the
-        # process, and a row measured there after them would read it.
-        graphed = step.mode == "reduce-overhead"
-        compiling: list[float] = []
-        first: list[float] = []
-
-        def compiled(seconds: list[float]) -> None:
-            compiling.append(time.perf_counter() - started)
-            first.extend(s for s in seconds if not math.isnan(s))
-            if progress:
-                progress(0, len(plans), f"the last of {len(plans)} plans compiled after {compiling[0]:.1f} s; "
-                                        "measuring where they compiled, one at a time")
-
-        at_once, out = compile_ahead(self.rows.make, plans, self.rows.batch, self.rows.options_for(plans[0]), room,
-                                     then=None if graphed else turn.row, compiled=compiled,
-                                     after=None if graphed else turn.timed)
-        if not at_once:
-            return {}
-        there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
-        # What failed there: a process's error, or a row's (a plan that failed to compile fails
-        # again in its turn, its row alone on the GPU).
-        errors = [e for e in out if isinstance(e, str)] + [r[0][1] for r in there.values() if isinstance(r[0], tuple)]
-        self.ahead = _Ahead(len(plans), at_once, time.perf_counter() - started, errors,
-                            compiling=compiling[0] if compiling else None, first=first,
-                            turns=[r[-1] for r in there.values()])
+        there, ahead = self.rows.compiled_ahead(plans, step, turn, progress)
+        if ahead is not None:
+            self.ahead = ahead
         return there
 
     def final(self, tried: list[Row]) -> Row:

@@ -3,20 +3,18 @@ again in another ahead of time: cuDNN's set-up of each convolution, batch norm a
 shape, layout and type it meets.
 
 cuDNN plans each call the first time a thread of a process meets its shape, strides and type, and
-keeps the plan for the thread's life. On an H100 (torch 2.11, cuDNN 9.19, 2026-11-27)
-efficientnet_b0 @128's first step in a fresh process under ``channels_last(), autocast(bf16)`` took
-8.8-13.9 s (five processes) and the next 0.04-0.06 s; in float32 with the default layout the first
-took 1.1 s. Every fresh process that measures such a plan pays it again (autoplan verifies its
-answers in fresh processes). :func:`recorded` lists the calls one iteration made, and on which
-thread: the caller's, or autograd's (on CUDA backward runs on a thread of the device's own);
-:func:`replay` makes the same calls on new tensors of the same metadata, each on its thread, in a
-process started ahead while it waits for its row. There the replay of the step's 130 convolution
-and batch-norm calls took 12.4-12.6 s, and the first step after it 0.16-0.18 s, against 10.6-13.0 s
-without (two runs each, ``benchmarks/first_use.py``). The replay's tensors go and the allocator's
-cache is emptied; what it leaves allocated (74 MiB there, kept by cuDNN) a row's first iteration
-allocates and keeps too: the steps' peaks read the same to the byte. cuDNN passes over a plan whose
-workspace it cannot allocate, and keeps the one it takes for the row too: a caller replays only
-with memory to spare (``keep``).
+keeps the plan for the thread's life. Under a new layout or type that first step can take seconds
+where the next takes milliseconds, and every fresh process that measures such a plan pays it again
+(autoplan verifies its answers in fresh processes; figures: docs/architecture.md, "autoplan's
+processes", from ``benchmarks/first_use.py``). :func:`recorded` lists the calls one iteration
+made, and on which thread: the caller's, or autograd's (on CUDA backward runs on a thread of the
+device's own); :func:`replay` makes the same calls on new tensors of the same metadata, each on its
+thread, in a process started ahead while it waits for its row.
+
+The replay's tensors go and the allocator's cache is emptied; what it leaves allocated (kept by
+cuDNN) a row's first iteration allocates and keeps too: the steps' peaks read the same to the byte
+(a CUDA test checks it). cuDNN passes over a plan whose workspace it cannot allocate, and keeps the
+one it takes for the row too: a caller replays only with memory to spare (``keep``).
 
 Example::
 
@@ -35,11 +33,12 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._compat import dispatch_mode, overload_name
 
 # The aten operators whose first call at a shape plans a library call (cuDNN), by overload packet.
-# Batch norm comes by several names: ``native_batch_norm`` from nn.BatchNorm2d in training (torch
-# 2.11, CUDA), ``_batch_norm_with_update`` from bn_act's own call. Their floating tensors are made
+# Batch norm comes by several names: ``native_batch_norm`` from nn.BatchNorm2d in training (on
+# CUDA), ``_batch_norm_with_update`` from bn_act's own call. Their floating tensors are made
 # uninitialised, the others (a batch norm's reserve, attention's sequence offsets) zero: a value
 # out of range there could fault the device, and a faulted process measures nothing.
 PLANNED = frozenset({
@@ -50,7 +49,7 @@ PLANNED = frozenset({
 })
 # Whether this torch lets a dispatch mode leave torch.compile alone (see _Recorder): without it
 # dynamo skips, then and after, the code it first meets under the mode.
-SUPPORTED = hasattr(TorchDispatchMode, "ignore_compile_internals")
+SUPPORTED = hasattr(dispatch_mode(), "ignore_compile_internals")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,7 @@ def _bytes(spec: Any) -> int:
     return sum(t.dtype.itemsize * _extent(t) for t in _tensors(spec))
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(dispatch_mode()):
     """Records the :data:`PLANNED` calls, and whether each came from another thread than the one
     that started recording: autograd's on CUDA, which runs backward (and a checkpoint's
     recomputation), and whose cuDNN plans are its own."""
@@ -108,7 +107,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in PLANNED:
-            key = (threading.get_ident() != self.thread, func.overloadpacket.__name__, func._overloadname,
+            key = (threading.get_ident() != self.thread, func.overloadpacket.__name__, overload_name(func),
                    _spec(args), _spec(tuple(kwargs.items())))
             self.calls.setdefault(key, None)
         return func(*args, **kwargs)
