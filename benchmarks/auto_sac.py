@@ -51,7 +51,7 @@ def _statistics(model: nn.Module, batch: Any, dtype: torch.dtype | None) -> tupl
     from torch.distributed._tools.sac_estimator import SACEstimator
 
     from shrinkwrap._tree import tree_map
-    from shrinkwrap.measure.step import call_model, default_loss
+    from shrinkwrap.measuring.step import call_model, default_loss
 
     device = next(model.parameters()).device
     fake_mode = FakeTensorMode()

@@ -107,8 +107,8 @@ def plan_work(name: str, index: int) -> dict:
     started = time.perf_counter()
     from torch._dynamo.utils import compile_times, counters
 
-    from shrinkwrap.measure.profile import Options
-    from shrinkwrap.measure.step import _setup
+    from shrinkwrap.measuring.profile import Options
+    from shrinkwrap.measuring.step import _setup
     from shrinkwrap.processes.copies import _build
 
     make, batch, _ = setup(name)

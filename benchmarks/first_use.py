@@ -1,11 +1,11 @@
 """cuDNN's first use in a fresh process, with and without the calls replayed first: what a fresh
-row's process saves by :func:`shrinkwrap.measure.first_use.replay` while it waits for its row.
+row's process saves by :func:`shrinkwrap.measuring.first_use.replay` while it waits for its row.
 
     python benchmarks/first_use.py                                   # efficientnet_b0 @128, two runs
     python benchmarks/first_use.py --plan "bn_act(), channels_last(), autocast(torch.bfloat16)" --runs 3
 
 One process records the calls of an iteration of torchvision's efficientnet_b0 under ``--plan``
-(:func:`~shrinkwrap.measure.first_use.recorded`); then, each in a process of its own and in turns,
+(:func:`~shrinkwrap.measuring.first_use.recorded`); then, each in a process of its own and in turns,
 ``cold`` builds the model and times its first two steps, and ``replay`` makes the recorded calls
 first (timed), then does the same. Prints each process's figures: the first step's seconds, the
 second's, and the peak (``max_memory_allocated``), which the replay must leave unchanged. On CUDA;
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import shrinkwrap as sw  # noqa: E402
 from harness import fresh_processes  # noqa: E402
-from shrinkwrap.measure.first_use import recorded, replay  # noqa: E402
+from shrinkwrap.measuring.first_use import recorded, replay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -267,10 +267,10 @@ def ratio_table(rows: list[dict[str, Any]], refs: dict[str, str],
     """The same-run scripts' markdown table: activation and step time (median, fastest-slowest
     round), each with its ratio to every reference row (``refs``: column label -> configuration),
     then the ``extra`` columns (label -> the cell of a row). Time ratios of rows timed in the same
-    rounds are paired (``shrinkwrap.measure.ratios.paired_ratio``: the median of the rounds' ratios,
+    rounds are paired (``shrinkwrap.measuring.ratios.paired_ratio``: the median of the rounds' ratios,
     what autoplan decides on), with their spread (+-, half the range of the rounds' ratios)."""
-    from shrinkwrap.measure.ratios import paired_ratio
-    from shrinkwrap.measure import Timing
+    from shrinkwrap.measuring.ratios import paired_ratio
+    from shrinkwrap.measuring import Timing
 
     by = {r["config"]: r for r in rows if "error" not in r}
 

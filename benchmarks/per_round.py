@@ -1,6 +1,6 @@
 """How many iterations a round of timing in turns needs: plans timed in turns with the model as it
 is for 15 rounds of 6 iterations, every iteration's time kept; then autoplan's decision rules
-(:func:`shrinkwrap.measure.ratios.slowdown_decided` and ``within_slowdown``: five rounds, then one
+(:func:`shrinkwrap.measuring.ratios.slowdown_decided` and ``within_slowdown``: five rounds, then one
 at a time until decided, 15 at most) replayed on the first k iterations of each round.
 
     python benchmarks/per_round.py efficientnet_b0 --json benchmarks/per_round.json   # on CUDA
@@ -26,9 +26,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import shrinkwrap as sw  # noqa: E402
-from shrinkwrap.measure import turns as measure_turns  # noqa: E402
-from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided, within_slowdown  # noqa: E402
-from shrinkwrap.measure.profile import Timing  # noqa: E402
+from shrinkwrap.measuring import turns as measure_turns  # noqa: E402
+from shrinkwrap.measuring.ratios import MAX_ROUNDS, slowdown_decided, within_slowdown  # noqa: E402
+from shrinkwrap.measuring.profile import Timing  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from harness import JSON_HELP, ROW_KEYS, run_stamp, save_rows, setup  # noqa: E402

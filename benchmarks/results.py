@@ -416,7 +416,7 @@ def per_round_section() -> list[str]:
         return []
     from per_round import ITERATIONS, LIMITS, ROUNDS, replayed  # imports torch: only where there are rows
 
-    from shrinkwrap.measure.ratios import MAX_ROUNDS, PER_ROUND
+    from shrinkwrap.measuring.ratios import MAX_ROUNDS, PER_ROUND
 
     models = sorted({r["model"] for r in rows})
     return section("Timing in turns: iterations a round", rows, table(

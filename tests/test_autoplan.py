@@ -599,7 +599,7 @@ def test_the_demo_model_gets_a_plan_within_a_budget_of_three_tenths():
 
 
 def test_a_step_time_limit_is_decided_on_the_median_and_trusted_beyond_the_noise():
-    from shrinkwrap.measure.ratios import slowdown_decided, within_slowdown
+    from shrinkwrap.measuring.ratios import slowdown_decided, within_slowdown
 
     base = sw.Timing((10.0, 10.1, 9.9, 10.0, 10.0))
     tight_in, tight_over = sw.Timing((10.2, 10.3, 10.1, 10.2, 10.2)), sw.Timing((11.0, 11.1, 10.9, 11.0, 11.0))
@@ -620,7 +620,7 @@ def test_a_step_time_limit_is_decided_on_the_median_and_trusted_beyond_the_noise
 
 @pytest.mark.parametrize("n, inner", [(5, (0, 4)), (10, (2, 7)), (15, (4, 10))])
 def test_the_ratios_interval_narrows_to_inner_order_statistics_as_rounds_are_added(n, inner):
-    from shrinkwrap.measure.ratios import ratio_interval
+    from shrinkwrap.measuring.ratios import ratio_interval
 
     ratios = [1.0 + i / 100 for i in range(n)]  # sorted already, distinct
     ratio, low, high = ratio_interval(sw.Timing((10.0,) * n), sw.Timing(tuple(10.0 * r for r in ratios)))
@@ -635,8 +635,8 @@ def test_a_chosen_plan_is_timed_in_more_rounds_until_its_limit_is_decided(monkey
     import sys
 
     from shrinkwrap.autoplan.stages import _Search
-    from shrinkwrap.measure import turns as measure_turns
-    from shrinkwrap.measure.ratios import MAX_ROUNDS, slowdown_decided
+    from shrinkwrap.measuring import turns as measure_turns
+    from shrinkwrap.measuring.ratios import MAX_ROUNDS, slowdown_decided
     from shrinkwrap.report import Row
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
@@ -680,7 +680,7 @@ def test_of_plans_alike_in_memory_the_least_memory_answer_is_the_fastest():
 def test_a_chosen_plan_is_timed_in_turns_with_the_baseline(monkeypatch):
     import sys
 
-    ratios = sys.modules["shrinkwrap.measure.ratios"]
+    ratios = sys.modules["shrinkwrap.measuring.ratios"]
     calls = []
     real = ratios.time_interleaved
 
@@ -1319,7 +1319,7 @@ def test_rows_measured_in_this_process_read_above_what_it_held_before(monkeypatc
     import dataclasses
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     real = rows_module.measure_plans
@@ -1370,7 +1370,7 @@ def test_rows_an_earlier_call_verified_count_only_where_this_call_could_answer_w
 def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gpu(monkeypatch):
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = rows_module.Rows(mlp, mlp(), BATCH, Options(device="cuda"), True, {})
@@ -1544,7 +1544,7 @@ def test_on_cuda_a_baseline_measured_first_with_nothing_on_the_gpu_reads_as_a_fr
 def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(monkeypatch):
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     warmups = []
@@ -1568,7 +1568,7 @@ def test_eager_rows_warm_up_once_and_compiled_ones_twice_unless_the_caller_says(
 def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are_read_from(cuda, monkeypatch):
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     events = []
@@ -1724,7 +1724,7 @@ def test_a_plan_over_its_limit_scales_every_region_priced_by_its_forward_by_what
 def test_a_plan_that_fails_in_a_warm_up_or_its_forward_timing_is_left_to_its_row_to_report():
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
@@ -1756,7 +1756,7 @@ def test_a_model_out_of_memory_as_it_is_is_an_error_that_names_the_fixes():
 def test_where_no_fresh_process_can_start_every_row_is_measured_here_and_the_header_says_so():
     import sys
 
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     rows = rows_module.Rows(lambda: mlp(), mlp(), BATCH, Options(iterations=1, device="cpu"), True, {})
@@ -1822,7 +1822,7 @@ def test_a_compiled_plan_measured_where_it_compiled_is_timed_there_unless_its_ro
     import pickle
 
     from shrinkwrap.autoplan.compiled import _Turn
-    from shrinkwrap.measure.ratios import MAX_ROUNDS, within_slowdown
+    from shrinkwrap.measuring.ratios import MAX_ROUNDS, within_slowdown
     from shrinkwrap.report import Report, Row
 
     options = sw.Options(device="cpu", warmup=2, iterations=1)
@@ -1942,7 +1942,7 @@ def test_on_cuda_a_primed_fresh_process_reads_the_same_row_without_cudnns_first_
     # a steady one, and what the row reads is the same to the byte.
     pytest.importorskip("torchvision")
     from shrinkwrap.autoplan.overlapped import OverlappedRows as _Rows
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     plan = sw.Plan.parse("channels_last(), autocast(torch.bfloat16)")
     batch = torch.randn(16, 3, 128, 128)

@@ -292,7 +292,7 @@ def test_version_and_a_wrong_option_are_one_line_each(capsys):
 
 def test_the_fit_table_fits_120_columns_with_long_plans(capsys):
     from shrinkwrap import Plan, Report, Row
-    from shrinkwrap.measure.profile import Profile
+    from shrinkwrap.measuring.profile import Profile
 
     def prof(ms):
         return Profile("cuda:0", "GPU", "2", None, 10, 0, 0, 0, ms, [ms], peak=100 * 2**20, first_peak=110 * 2**20,

@@ -566,7 +566,7 @@ def test_graph_trees_counts_every_node_of_the_cuda_graph_trees(monkeypatch):
 
     from torch._inductor import cudagraph_trees
 
-    from shrinkwrap.measure.graphs import _graph_trees
+    from shrinkwrap.measuring.graphs import _graph_trees
 
     def node(*children):
         return SimpleNamespace(children={"f": list(children)} if children else {})
@@ -581,7 +581,7 @@ def test_graph_trees_counts_every_node_of_the_cuda_graph_trees(monkeypatch):
 
 
 def test_an_iteration_is_read_as_a_recording_only_where_it_recorded_and_replayed_nothing():
-    from shrinkwrap.measure.graphs import _recorded_whole
+    from shrinkwrap.measuring.graphs import _recorded_whole
 
     assert _recorded_whole(2, 4, [11, 12])  # forward and backward recorded (each replayed once as it is)
     assert not _recorded_whole(2, 3, [11, 12])  # the backward re-recorded, the forward replayed unseen
@@ -593,8 +593,8 @@ def test_an_iteration_is_read_as_a_recording_only_where_it_recorded_and_replayed
 
 
 def test_the_steady_step_is_read_as_the_warm_up_that_recorded_every_graph_it_replays():
-    from shrinkwrap.measure.graphs import _as_recorded
-    from shrinkwrap.measure.profile import Phase
+    from shrinkwrap.measuring.graphs import _as_recorded
+    from shrinkwrap.measuring.profile import Phase
 
     mib = 2**20
     steady = [Phase("zero_grad", 10 * mib, 12 * mib), Phase("backward", 11 * mib, 11 * mib),  # replays: counters miss them
@@ -612,7 +612,7 @@ def test_the_steady_step_is_read_as_the_warm_up_that_recorded_every_graph_it_rep
 
 
 def test_replays_lists_cuda_graph_replays_and_puts_replay_back(monkeypatch):
-    from shrinkwrap.measure.graphs import _replays
+    from shrinkwrap.measuring.graphs import _replays
 
     class Base:
         def replay(self):

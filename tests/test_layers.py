@@ -15,7 +15,7 @@ LAYERS = [
     {"step"},
     {"transforms"},
     {"plan"},
-    {"measure", "parallel"},  # parallel: shard or replicate a model to measure, start the ranks
+    {"measuring", "parallel"},  # parallel: shard or replicate a model to measure, start the ranks
     {"report"},
     {"processes"},  # fresh processes: a row's, a plan compiled ahead, a fit probe
     {"fit"},

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 
 import shrinkwrap as sw
-from shrinkwrap.measure import ModuleLog, SavedTensors
-from shrinkwrap.measure import first_use, graphs
-from shrinkwrap.measure.step import default_loss
+from shrinkwrap.measuring import ModuleLog, SavedTensors
+from shrinkwrap.measuring import first_use, graphs
+from shrinkwrap.measuring.step import default_loss
 
 FAST = dict(iterations=1, warmup=1, device="cpu")
 
@@ -32,12 +32,16 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_measure_function_shadows_the_subpackage():
-    import shrinkwrap.measure.saved  # noqa: F401  (the submodule import still works)
-    from shrinkwrap.measure.saved import saved_tensor_bytes
+def test_the_measure_function_and_the_measuring_package_are_apart():
+    import importlib
+    import types
 
-    assert callable(sw.measure) and sw.measure.__module__ == "shrinkwrap.measure.step"
-    assert saved_tensor_bytes is sw.saved_tensor_bytes
+    import shrinkwrap.measuring.saved  # noqa: F401
+
+    assert callable(sw.measure) and sw.measure.__module__ == "shrinkwrap.measuring.step"
+    assert isinstance(sw.measuring, types.ModuleType) and sw.measuring is importlib.import_module("shrinkwrap.measuring")
+    assert sw.measuring.saved.saved_tensor_bytes is sw.saved_tensor_bytes
+    assert not hasattr(sw.measure, "saved")  # the function, not the package under its name
 
 
 def test_cpu_profile_counts_what_it_labels():
@@ -431,7 +435,7 @@ def test_time_interleaved_goes_on_round_by_round_until_told_and_no_further_than_
 def test_a_plan_timed_against_the_baseline_runs_rounds_of_per_round_iterations_whatever_the_options_say():
     """Rounds of PER_ROUND iterations of each model (the options' iterations are a row's), after
     each model's warm-up, five rounds at least."""
-    from shrinkwrap.measure.ratios import PER_ROUND, timed_against
+    from shrinkwrap.measuring.ratios import PER_ROUND, timed_against
 
     calls = []
 
@@ -450,7 +454,7 @@ def test_a_plan_timed_against_the_baseline_runs_rounds_of_per_round_iterations_w
 def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_recompute():
     import time
 
-    from shrinkwrap.measure.turns import forward_times
+    from shrinkwrap.measuring.turns import forward_times
 
     class Slow(nn.Module):
         def __init__(self, seconds):
@@ -474,7 +478,7 @@ def test_forward_times_reads_each_modules_forward_once_per_iteration_not_its_rec
 def test_restored_gives_gradients_back_without_holding_them_meanwhile():
     import weakref
 
-    from shrinkwrap.measure.restore import restored
+    from shrinkwrap.measuring.restore import restored
 
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -494,7 +498,7 @@ def test_restored_gives_gradients_back_without_holding_them_meanwhile():
 def test_fresh_processes_start_the_next_rows_process_ahead_and_stop_it_when_closed():
     from shrinkwrap.compare import measure_plans
     from shrinkwrap.processes import FreshProcesses
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     before = {c.pid for c in multiprocessing.active_children()}
     with FreshProcesses(mlp) as fresh:
@@ -565,7 +569,7 @@ class _Recording:
 
 def test_plans_compiled_ahead_run_their_first_iterations_in_processes_side_by_side(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     log = tmp_path / "steps"
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
@@ -626,7 +630,7 @@ class _DiesSecond:
 
 def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_have_compiled(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     log = tmp_path / "steps"
     options = Options(loss_fn=_Recording(log), iterations=1, warmup=1, device="cpu")
@@ -676,7 +680,7 @@ def test_the_second_turns_of_plans_compiled_ahead_go_least_key_first_each_told_w
     import functools
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     options = Options(iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
@@ -711,7 +715,7 @@ def test_a_turn_that_raises_is_its_plans_entry_and_the_others_turns_go_on():
     import functools
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     options = Options(iterations=1, warmup=1, device="cpu")
     plans = [sw.Plan.parse("compile(backend='aot_eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='aot_eager')"),
@@ -732,7 +736,7 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     import functools
 
     from shrinkwrap.processes import ahead as processes
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     monkeypatch.setattr(processes, "_processes_fitting", lambda device, room: 2)  # the GPU's memory holds two
     options = Options(iterations=1, warmup=1, device="cpu")
@@ -780,7 +784,7 @@ class _MeetOnExit:
 
 def test_processes_ahead_whose_turns_end_together_exit_side_by_side(tmp_path):
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     plans = [sw.Plan.parse("compile(backend='eager')"), sw.Plan.parse("checkpoint('0'), compile(backend='eager')"),
              sw.Plan.parse("checkpoint('2'), compile(backend='eager')")]
@@ -801,7 +805,7 @@ def test_a_process_ahead_given_settings_equal_to_its_own_leaves_what_the_caches_
     code = """if True:
         import torch, torch.nn as nn
         from shrinkwrap.processes.ahead import compile_settings, _first_steps
-        from shrinkwrap.measure.profile import Options
+        from shrinkwrap.measuring.profile import Options
         from shrinkwrap.plan import Plan
         settings = compile_settings()
         before = torch.backends.cuda.matmul.fp32_precision
@@ -848,8 +852,8 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
         import torch, torch.nn as nn
         import shrinkwrap as sw
         from shrinkwrap.processes import compile_ahead
-        from shrinkwrap.measure.profile import Options
-        from shrinkwrap.measure.step import _setup
+        from shrinkwrap.measuring.profile import Options
+        from shrinkwrap.measuring.step import _setup
 
         def make():
             torch.manual_seed(0)
@@ -893,7 +897,7 @@ def test_a_plan_compiled_ahead_compiles_here_from_the_on_disk_cache(tmp_path, mo
     from torch._dynamo.utils import counters
 
     from shrinkwrap.processes import compile_ahead
-    from shrinkwrap.measure.profile import Options
+    from shrinkwrap.measuring.profile import Options
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold for this test; the processes inherit it
     plans = [sw.Plan.parse("compile()"), sw.Plan.parse("autocast(torch.bfloat16), compile()")]
@@ -973,8 +977,8 @@ def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
 
 
 def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes():
-    from shrinkwrap.measure.profile import Options
-    from shrinkwrap.measure.step import measure_with
+    from shrinkwrap.measuring.profile import Options
+    from shrinkwrap.measuring.step import measure_with
 
     prof = measure_with(mlp(), torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu", module_log=False))
     assert prof.saved == sw.saved_tensor_bytes(lambda: mlp().train()(torch.randn(16, 32)))
@@ -982,8 +986,8 @@ def test_without_cuda_the_module_log_runs_anyway_since_it_counts_the_saved_bytes
 
 
 def test_a_row_built_to_be_thrown_away_is_not_restored():
-    from shrinkwrap.measure.profile import Options
-    from shrinkwrap.measure.step import measure_with
+    from shrinkwrap.measuring.profile import Options
+    from shrinkwrap.measuring.step import measure_with
 
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
@@ -1070,7 +1074,7 @@ needs_recording = pytest.mark.skipif(not first_use.SUPPORTED,
 def test_first_use_records_each_library_call_once_with_the_metadata_that_ran():
     import collections
 
-    from shrinkwrap.measure.first_use import PLANNED, _Tensor, recorded
+    from shrinkwrap.measuring.first_use import PLANNED, _Tensor, recorded
 
     model = _depthwise().to(memory_format=torch.channels_last)
     x = torch.randn(2, 4, 16, 16).to(memory_format=torch.channels_last)[:, 1:]  # a view, at an offset
@@ -1135,7 +1139,7 @@ def test_fresh_processes_make_the_primed_calls_before_each_row(monkeypatch):
     import concurrent.futures
 
     from shrinkwrap.processes import fresh as processes
-    from shrinkwrap.measure.first_use import Calls
+    from shrinkwrap.measuring.first_use import Calls
 
     submitted, started = [], []
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import shrinkwrap as sw
-from shrinkwrap.measure import measure
+from shrinkwrap.measuring import measure
 
 pytestmark = pytest.mark.cuda
 

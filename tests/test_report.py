@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from shrinkwrap.measure import Event, Phase, Profile
+from shrinkwrap.measuring import Event, Phase, Profile
 from shrinkwrap.plan import Plan
 from shrinkwrap.report import SCHEMA, Report, Row
 

@@ -9,7 +9,7 @@ Example::
 """
 
 # The package's face: everything public, imported from the layers below (select -> _rewrite ->
-# step -> transforms -> plan -> measure -> report -> processes -> fit -> compare -> autoplan -> cli); no module of
+# step -> transforms -> plan -> measuring -> report -> processes -> fit -> compare -> autoplan -> cli); no module of
 # the package imports this one.
 import builtins as _builtins
 
@@ -18,7 +18,7 @@ from ._rewrite import records, revert
 from .autoplan import autoplan
 from .compare import ProgressBar, plan_report
 from .fit import Fit, Probe, fit, trains_under
-from .measure import (Estimate, Event, ModuleLog, Options, Phase, Profile, SavedTensors, Timing, estimate, measure,
+from .measuring import (Estimate, Event, ModuleLog, Options, Phase, Profile, SavedTensors, Timing, estimate, measure,
                       saved_tensor_bytes, time_interleaved)
 from .plan import Plan, PlanError, apply
 from .report import Report, Row

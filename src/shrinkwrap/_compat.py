@@ -57,7 +57,7 @@ def clear_cublas_workspaces() -> None:
 def dispatch_mode() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``, the base of a mode that sees every aten
     call below autograd and autocast: the only way to record the calls cuDNN plans at (see
-    ``measure/first_use.py``). Checked on torch 2.11 and 2.13."""
+    ``measuring/first_use.py``). Checked on torch 2.11 and 2.13."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode

@@ -43,8 +43,8 @@ import torch.nn as nn
 
 from . import parallel
 from .compare import Parallelize, plan_report
-from .measure.ranks import rank_and_world
-from .measure.step import resolve_device
+from .measuring.ranks import rank_and_world
+from .measuring.step import resolve_device
 from .plan import Plan
 from .select import got
 from .step import step_class
@@ -374,7 +374,7 @@ def _budget(text: str) -> str:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .measure.estimate import estimate
+    from .measuring.estimate import estimate
 
     plan = Plan.parse(args.plan)
     _writable(args.json, "--json")

@@ -2,7 +2,7 @@
 
 :func:`measure_plans` measures a list of plans, one row each: every row is a fresh model (from
 the factory, or a copy of the given instance) with its plan applied, measured by the one harness
-(:func:`shrinkwrap.measure.step.measure`). :func:`plan_report` is the baseline and then the plan's
+(:func:`shrinkwrap.measuring.step.measure`). :func:`plan_report` is the baseline and then the plan's
 steps applied one after another; autoplan measures its candidates. This module sits above
 ``report`` (it builds reports) and below ``autoplan``. On
 CUDA each row runs in a fresh subprocess (``spawn``), so allocator caches and cuDNN workspaces of
@@ -29,9 +29,9 @@ import torch.nn as nn
 
 from . import _rewrite
 from ._tree import tensors, tree_map
-from .measure.profile import LossFn, OptimizerFactory, Options, Profile
-from .measure.ranks import rank_and_world
-from .measure.step import _clean, _setup, device_name, measure_with, numbered, resolve_device
+from .measuring.profile import LossFn, OptimizerFactory, Options, Profile
+from .measuring.ranks import rank_and_world
+from .measuring.step import _clean, _setup, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
 from .processes import FreshProcesses, model_maker

@@ -37,9 +37,9 @@ from .processes import PROCESS_MARGIN, compile_settings, model_maker, take_setti
 from .processes.copies import _build
 from .processes.fresh import _end, _error_line, _stop
 from .processes.sendable import _unsendable
-from .measure.graphs import _graph_pools
-from .measure.profile import Options
-from .measure.step import _setup, device_name, resolve_device
+from .measuring.graphs import _graph_pools
+from .measuring.profile import Options
+from .measuring.step import _setup, device_name, resolve_device
 from .plan import Plan, PlanLike, as_plan
 
 MiB = 2**20

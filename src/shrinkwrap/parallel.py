@@ -5,7 +5,7 @@ shrinkwrap composes with the distributed engine, it does not replace it: the pla
 model first, then FSDP2's ``fully_shard`` (each block, then the root) or DDP wraps it (a plan
 applied after ``fully_shard`` is refused). :func:`fsdp` and :func:`ddp` are that second step as
 ``plan_report(..., parallelize=...)`` takes it; under ``torchrun`` every rank measures and rank 0's
-report shows every rank (see :mod:`shrinkwrap.measure.ranks`).
+report shows every rank (see :mod:`shrinkwrap.measuring.ranks`).
 
 ``torch.distributed``'s submodules (fsdp, device_mesh, DDP) are imported inside the functions: a
 single-process user imports none of them.
@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from .measure.step import resolve_device
+from .measuring.step import resolve_device
 from .select import Pattern, block_groups, select
 
 # What torchrun puts in each rank's environment.

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .measure.profile import Profile
+    from .measuring.profile import Profile
 
 MiB = 2**20
 SCHEMA = "shrinkwrap.report/1"

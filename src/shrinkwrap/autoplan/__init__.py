@@ -7,7 +7,7 @@ gives (here); candidates and the exact choice of a set (``choose.py``); the meas
 (``stages.py``), which ask for rows for plans and never make them (``rows.py``: one after
 another; ``overlapped.py``: the work around them overlapped, on CUDA); the compile stage's
 pieces (``compiled.py``). Step-time ratios in turns are
-the measuring harness's (``shrinkwrap.measure.ratios``).
+the measuring harness's (``shrinkwrap.measuring.ratios``).
 
 1. Candidates come from the steps themselves (:meth:`shrinkwrap.step.Step.candidates`), found in
    the module tree, not in a list of model names: checkpoint regions over stages and groups of
@@ -59,9 +59,9 @@ import torch.nn as nn
 from .._tree import tensors, tree_map
 from ..compare import Progress, describe_batch, measure_plans, progress_of
 from ..fit import ITERATIONS, Probe, trains_under
-from ..measure.profile import LossFn, OptimizerFactory, Options
-from ..measure.ratios import CONFIDENCE, ratio_interval, slowdown_decided
-from ..measure.step import device_name, resolve_device
+from ..measuring.profile import LossFn, OptimizerFactory, Options
+from ..measuring.ratios import CONFIDENCE, ratio_interval, slowdown_decided
+from ..measuring.step import device_name, resolve_device
 from ..plan import Plan
 from ..processes import model_maker
 from ..report import Report, Row
@@ -143,7 +143,7 @@ def autoplan(
             ``max_slowdown``.
         loss_fn, optimizer, device: as :func:`shrinkwrap.measure`.
         iterations: each row's timed iterations, as :func:`shrinkwrap.measure`; timing in turns
-            runs rounds of its own size (:data:`~shrinkwrap.measure.ratios.PER_ROUND`).
+            runs rounds of its own size (:data:`~shrinkwrap.measuring.ratios.PER_ROUND`).
         warmup: iterations before a row is measured, as :func:`shrinkwrap.measure`; by default one
             for an eager plan (its second iteration is steady) and two for a compiled one.
         tolerance: how far over ``max_slowdown`` a plan may time and still count as within it.

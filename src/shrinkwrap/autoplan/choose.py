@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..measure.step import resolve_device
+from ..measuring.step import resolve_device
 from ..plan import Plan
 from ..report import Row
 from ..step import Candidate, Context, registered

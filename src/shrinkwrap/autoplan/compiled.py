@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from ..compare import _as_row, _row
-from ..measure.ratios import timed_against, within_slowdown
-from ..measure.profile import Options
+from ..measuring.ratios import timed_against, within_slowdown
+from ..measuring.profile import Options
 from ..plan import Plan
 from ..processes.copies import _build
 from ..report import Row

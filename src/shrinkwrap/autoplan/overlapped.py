@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from ..compare import Progress, _warm_process
-from ..measure import first_use
-from ..measure.step import resolve_device
+from ..measuring import first_use
+from ..measuring.step import resolve_device
 from ..plan import Plan
 from ..processes import PROCESS_MARGIN, FreshProcesses, compile_ahead
 from ..processes.fresh import AHEAD
@@ -64,7 +64,7 @@ class OverlappedRows(Rows):
     def prime(self, plan: Plan) -> None:
         """Record the library calls one iteration of ``plan`` makes here (cuDNN's, whose first use
         at each shape, layout and type costs a process seconds: see
-        :mod:`~shrinkwrap.measure.first_use`), and have the fresh processes started ahead make
+        :mod:`~shrinkwrap.measuring.first_use`), and have the fresh processes started ahead make
         those they were not given yet before their rows (:meth:`FreshProcesses.prime`). The base
         is recorded as the candidates' rows end, and each plan verified as its row here is read,
         while the plan is timed in turns and before its row in a fresh process: a plan adds calls

@@ -21,9 +21,9 @@ import torch.nn as nn
 
 from .._compat import clear_cublas_workspaces
 from ..compare import Progress, measure_plans
-from ..measure.profile import Options
-from ..measure.step import resolve_device
-from ..measure.turns import forward_times, time_interleaved
+from ..measuring.profile import Options
+from ..measuring.step import resolve_device
+from ..measuring.turns import forward_times, time_interleaved
 from ..plan import Plan
 from ..processes import FreshProcesses
 from ..processes.copies import _build, _Copies

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .._compat import aot_autograd_cache_counts
 from ..compare import Progress, _as_row
-from ..measure.ratios import ratio_interval, timed_against, within_slowdown
+from ..measuring.ratios import ratio_interval, timed_against, within_slowdown
 from ..plan import Plan
 from ..report import Row
 from ..select import innermost_blocks

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from .._tree import tree_map
-from ..measure.profile import Options
-from ..measure.step import _clean, _setup, resolve_device
+from ..measuring.profile import Options
+from ..measuring.step import _clean, _setup, resolve_device
 from ..plan import Plan
 from .copies import _build
 from .fresh import PROCESS_MARGIN, _end, _error_line, _stop

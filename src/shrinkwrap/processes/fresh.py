@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .._compat import pool_processes
-from ..measure.first_use import Calls, replay
+from ..measuring.first_use import Calls, replay
 from .copies import _Copies
 from .sendable import _unsendable
 from .settings import module_order, take_module_order
@@ -124,7 +124,7 @@ class FreshProcesses:
 
     def prime(self, calls: Calls, keep: int = 0) -> None:
         """Have each process started ahead, from now on and those waiting now, make ``calls``
-        (:func:`~shrinkwrap.measure.first_use.replay`, leaving ``keep`` bytes free) while it
+        (:func:`~shrinkwrap.measuring.first_use.replay`, leaving ``keep`` bytes free) while it
         waits for its row: cuDNN's plans for the layouts and types the rows will run are then made
         before the row, not in its first iteration. What the row reads is unchanged (see the
         module). Primed again, a process makes the calls it was not given yet. A row asked for

@@ -2,7 +2,7 @@
 
 :class:`ModuleLog` hooks every named module and calls a probe at each event: on CUDA the probe is
 ``torch.cuda.memory_allocated``, without CUDA it is the bytes saved for backward still held by the
-graph (:class:`~shrinkwrap.measure.saved.SavedTensors`). The harness adds the step's phase
+graph (:class:`~shrinkwrap.measuring.saved.SavedTensors`). The harness adds the step's phase
 boundaries (``zero_grad``, ``forward``, ...) to the same timeline, so one list describes the step.
 """
 
