@@ -38,6 +38,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from . import _compat
+
 # Attributes that belong to the wrapper itself: what every nn.Module has, torch.compile's compiled
 # call, and shrinkwrap's own (_sw_*). Any other attribute set on a wrapper is set on the wrapped
 # module, where its forward reads it: Hugging Face's gradient_checkpointing_enable() sets
@@ -151,7 +153,7 @@ def functorch_level() -> bool:
     saved-tensor hooks (checkpoint, offload) and autograd Functions without ``setup_context``
     (the fused activations) do not run under one. False while torch.compile traces (it is
     asked first, so the compiler never sees the question)."""
-    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+    return not torch.compiler.is_compiling() and _compat.in_functorch_transform()
 
 
 def refuse_functorch(what: str, keeps: str) -> None:

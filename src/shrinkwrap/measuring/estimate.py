@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _compat
 from .._rewrite import records
 from .._tree import tensors, tree_map
 from ..plan import PlanLike, as_plan
@@ -86,7 +87,7 @@ def _cuda_attention() -> Iterator[None]:
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)  # the kernels take a float bias
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return _compat.flash_attention_cpu(
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
     F.scaled_dot_product_attention = fused
@@ -138,10 +139,9 @@ def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
     """
     import copy
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    FakeTensorMode = _compat.fake_tensor()[1]
     try:
-        from torch.distributed._tools.mem_tracker import MemTracker
+        MemTracker = _compat.mem_tracker()
     except ImportError as exc:
         raise RuntimeError(f"shrinkwrap: estimate() needs torch's MemTracker (torch >= 2.5), which torch "
                            f"{torch.__version__} lacks: {exc}") from None

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .. import _compat
 from ..transforms.optimizer.interface import holds_no_gradient
 from .profile import Phase
 from .ranks import local
@@ -40,7 +41,7 @@ def _graph_trees(device: torch.device) -> int | None:
     """How many graphs ``torch.compile``'s CUDA graph trees have recorded for ``device`` in this
     thread (each node of a tree is one recording); None where this torch's trees cannot say."""
     try:
-        from torch._inductor import cudagraph_trees
+        cudagraph_trees = _compat.cudagraph_trees()
 
         index = torch.cuda.current_device() if device.index is None else device.index
         manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
@@ -107,7 +108,7 @@ def _recorded_whole(before: int | None, after: int | None, replayed: list[Any]) 
 
 def _dynamo_counts() -> tuple[int, int]:
     """(graphs compiled, graph breaks) so far in this process, from dynamo's counters."""
-    from torch._dynamo.utils import counters  # imported already where a model is compiled
+    counters = _compat.dynamo_counters()  # imported already where a model is compiled
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 

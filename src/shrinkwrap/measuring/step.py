@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from .. import _compat
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
@@ -175,12 +176,12 @@ def _memory_history(path: str | None) -> Iterator[None]:
     if not path:
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    _compat.record_memory_history(True)
     try:
         yield
-        torch.cuda.memory._dump_snapshot(path)
+        _compat.dump_memory_snapshot(path)
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        _compat.record_memory_history(False)
 
 
 def measure(

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _compat
 from ..select import Pattern, SelectionError, _inside, compiled_how, select
 from ..step import Step, Targets, applied_steps
 
@@ -58,18 +59,14 @@ class _Budgeted:
     activation memory budget set to ``budget`` for the length of the call."""
 
     def __init__(self, backend: str, mode: str | None, dynamic: bool | None, budget: float) -> None:
-        # What torch.compile itself makes of a backend name and a mode (torch's private classes,
-        # there since torch 2.0): a callable backend gets no mode from torch.compile.
-        if backend == "inductor":
-            self.inner: Any = torch._TorchCompileInductorWrapper(mode, None, dynamic)
-        else:
-            self.inner = torch._TorchCompileWrapper(backend, mode, None, dynamic)
+        # What torch.compile itself makes of a backend name and a mode: a callable backend gets
+        # no mode from torch.compile.
+        self.inner: Any = _compat.compile_backend(backend, mode, dynamic)
         self.key = (backend, mode, dynamic, budget)
         self.__name__ = f"{backend}[memory_budget={budget}]"  # torch.compile names the backend by it
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        import torch._functorch.config as functorch_config
-
+        functorch_config = _compat.compiler_configs()[1]
         with functorch_config.patch(activation_memory_budget=self.key[-1]):
             return self.inner(gm, example_inputs)
 
@@ -125,8 +122,7 @@ def _replaying_once(compiled: Any) -> Any:
     every step, as that model would be). The setting is read as dynamo traces, which happens
     inside the call, and is none of dynamo's guards (a model sharing code compiled for another
     runs that code); setting it and putting it back costs microseconds a call."""
-    import torch._dynamo.config as config
-
+    config = _compat.dynamo_config()
     if not hasattr(config, _SIDE_EFFECTS):
         return compiled
 
@@ -226,12 +222,10 @@ class Compile(Step):
         # Every other step takes its pattern first: compile('layer1') would be a mode, which
         # inductor refuses late and other backends ignore.
         if self.mode is not None and self.backend == "inductor" and self.mode not in _MODES:
-            import torch._inductor
-
-            if self.mode not in torch._inductor.list_mode_options():
+            if self.mode not in _compat.inductor_modes():
                 raise ValueError(
                     f"shrinkwrap: compile() got mode={self.mode!r}, which is no mode of inductor's "
-                    f"({', '.join(torch._inductor.list_mode_options())}). To compile some modules only, "
+                    f"({', '.join(_compat.inductor_modes())}). To compile some modules only, "
                     f"write compile(pattern={self.mode!r})."
                 )
         budget = self.memory_budget

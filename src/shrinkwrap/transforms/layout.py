@@ -41,8 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_memory_format, which dynamo traces
 
+from .. import _compat
 from .. import _rewrite
 from .._tree import tree_map
 from .._wrapper import TransparentWrapper, has_hooks
@@ -218,7 +218,7 @@ class SpaceToDepthConv(TransparentWrapper):
         lh, lw = s * (oh - 1) + kh2, s * (ow - 1) + kw2  # the padded input's extent the kernels read
         # The layout torch's convolution gives its output: channels_last where the input's or the
         # weight's strides are (a 1-channel tensor is contiguous both ways: its strides decide).
-        channels_last = CHANNELS_LAST in (suggest_memory_format(x), suggest_memory_format(conv.weight))
+        channels_last = CHANNELS_LAST in (_compat.suggest_memory_format(x), _compat.suggest_memory_format(conv.weight))
         # A negative pad crops: rows past the last window that the convolution never reads.
         x = F.pad(x, (pw, lw - x.shape[3] - pw, ph, lh - x.shape[2] - ph))
         w = F.pad(conv.weight, (0, kw2 - kw, 0, kh2 - kh))

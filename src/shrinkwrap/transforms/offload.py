@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _compat
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, refuse_functorch
 from ..select import Pattern, block_groups, require_module
@@ -166,7 +167,7 @@ class _Schedule:
 def _in_checkpoint() -> bool:
     """Whether torch's checkpoint hooks are the innermost saved-tensor hooks (a checkpoint region
     around this one, in its forward or its recompute)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _compat.innermost_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 

@@ -42,9 +42,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ... import _compat
 from ..._wrapper import TRACED_REGIONS, TransparentWrapper, refuse_functorch
 from .restore import _Buffers, _Guarded, _NestedContexts
 from .save import _KeptMutated, save_ops, selective
@@ -130,19 +130,19 @@ class _Untraced:
         # Inside torch's checkpoint: the safeguards' own copies run outside its selective mode (a
         # region with save=), which would look for them among the forward's kept outputs.
         if self.guarded is None:
-            with _disable_current_modes():
+            with _compat.no_dispatch_modes():
                 self.guarded = _Guarded(fn, self.named, self.buffers, self.what, self.clone, args, kwargs)
             out = self.guarded.run(kwargs, *args)
-            with _disable_current_modes():
+            with _compat.no_dispatch_modes():
                 self.guarded.done()
             return out
         restore = self.guarded.recomputing()
-        with _disable_current_modes():
+        with _compat.no_dispatch_modes():
             restore.__enter__()
         try:
             return self.guarded.run(kwargs, *args)
         finally:
-            with _disable_current_modes():
+            with _compat.no_dispatch_modes():
                 restore.__exit__(None, None, None)
 
 

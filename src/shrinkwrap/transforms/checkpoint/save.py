@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ... import _compat
 from .restore import _dotted
 
 
@@ -63,7 +64,7 @@ def save_ops(save: tuple[str, ...]) -> frozenset:
             raise ValueError(f"shrinkwrap: checkpoint(save=...) takes names, got {name!r}")
         for op_name in SAVE_KINDS.get(name, (name,)):
             op = getattr(torch.ops.aten, op_name, None)
-            if not isinstance(op, torch._ops.OpOverloadPacket):
+            if not isinstance(op, _compat.op_overload_packet()):
                 if name in SAVE_KINDS:
                     continue  # a kernel this build of torch lacks
                 raise ValueError(

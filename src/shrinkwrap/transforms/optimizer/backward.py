@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import warnings
 from typing import Any
 
 import torch
 
+from ... import _compat
 from .lowbit import LowBitAdamW, _is_fake
 from .standin import Consumed, local, norms, stand_in
 
@@ -45,15 +45,12 @@ def _not_finite(grad: Any) -> bool:
 def _compiled_autograd() -> bool:
     """Whether backward runs under compiled autograd, whose engine takes no end-of-backward
     callback but from a full graph: there each parameter steps in its hook."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported: not running
-    region = getattr(ca, "in_compiled_autograd_region", False)  # a flag in some versions, a function in others
-    return bool(region() if callable(region) else region)
+    return _compat.in_compiled_autograd()
 
 
 def _keeps_graph() -> bool:
     """Whether the running backward keeps its graph (``retain_graph=True``, ``create_graph=True``)."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return bool(keep()) if keep is not None and not _compiled_autograd() else False
+    return not _compiled_autograd() and _compat.backward_keeps_graph()
 
 
 @dataclasses.dataclass
@@ -127,7 +124,7 @@ class BackwardSteps:
             if self.backward is None:
                 self.backward = _Backward(tracked=not _compiled_autograd())
                 if self.backward.tracked:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end)
+                    _compat.at_end_of_backward(self._end)
             return self.backward
 
     def _end(self) -> None:

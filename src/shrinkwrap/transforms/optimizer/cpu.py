@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from ... import _compat
 from .backward import _Backward, _unstepped
 from .standin import local, norms, stand_in
 
@@ -102,11 +103,7 @@ def _count_change(p: torch.Tensor) -> None:
     if bump is not None:
         bump(p)
         return
-    set_version = torch._C._autograd._unsafe_set_version_counter
-    try:
-        set_version((p,), (p._version + 1,))
-    except TypeError:  # torch 2.4-2.5 take one tensor
-        set_version(p, p._version + 1)
+    _compat.set_version(p, p._version + 1)
 
 
 class CpuSteps:

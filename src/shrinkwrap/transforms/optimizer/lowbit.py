@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ... import _compat
+
 _BLOCK = 256  # values that share one scale in LowBitAdamW's state
 _SLICE = 1 << 20  # values LowBitAdamW updates at once (a multiple of _BLOCK): 4 MiB a float32 temporary
 _COMPILED_SLICE = 1 << 24  # the same compiled, and the most one packed call gathers (96 MiB at bf16)
@@ -209,13 +211,13 @@ def _step_chunk(chunk: list, update: Any) -> None:
     grad_in = grads[0].new_zeros(sum(sizes), _BLOCK)
     weight_in = weights[0].new_zeros(sum(sizes), _BLOCK)
     weights_in = list(weight_in.view(-1).split(spans)[::2])
-    torch._foreach_copy_(list(grad_in.view(-1).split(spans)[::2]), grads)
-    torch._foreach_copy_(weights_in, weights)
+    _compat.foreach_copy_(list(grad_in.view(-1).split(spans)[::2]), grads)
+    _compat.foreach_copy_(weights_in, weights)
     joined = [torch.cat(s) for s in states]
     update(grad_in, weight_in, *joined, hyper)
-    torch._foreach_copy_(weights, weights_in)
+    _compat.foreach_copy_(weights, weights_in)
     for parts, whole in zip(states, joined):
-        torch._foreach_copy_(parts, list(whole.split(sizes)))
+        _compat.foreach_copy_(parts, list(whole.split(sizes)))
 
 
 def _adamw_slice(grad: torch.Tensor, weight: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor,
@@ -264,7 +266,5 @@ def _compiled_slice(p: torch.Tensor) -> Any:
 
 def _is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (``shrinkwrap.estimate``), where nothing is compiled."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
+    return isinstance(t, _compat.fake_tensor()[0])
 

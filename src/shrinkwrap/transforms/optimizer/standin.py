@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ... import _compat
+
 _LEAVE = ("or leave step_in_backward() out of the plan (shrinkwrap.revert(model)) and use a plain optimizer")
 
 
@@ -40,12 +42,11 @@ class Consumed(torch.Tensor):
     def __new__(cls, like: torch.Tensor, norm: torch.Tensor, peak: torch.Tensor, name: str = "",
                 device: torch.device | None = None, stepped: bool = True) -> "Consumed":
         # A storage of no bytes: what counts storages (torch's MemTracker, shrinkwrap.estimate) sees none.
-        out = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device or like.device,
-                                                  storage_size=0)
+        out = _compat.wrapper_subclass(cls, like, device or like.device)
         out._sw_norm, out._sw_max, out._sw_name, out._sw_stepped = norm, peak, name, stepped
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _compat.disabled_torch_function()
 
     def __deepcopy__(self, memo: dict) -> "Consumed":
         return Consumed(self, self._sw_norm.clone(), self._sw_max.clone(), self._sw_name, stepped=self._sw_stepped)
@@ -180,7 +181,7 @@ def norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Ten
         wide = torch.promote_types(dtype, torch.float32)
         group = [grads[i].detach() for i in at]
         for out, order in ((two, 2), (peak, math.inf)):
-            for i, norm in zip(at, torch._foreach_norm(group, order, dtype=wide)):
+            for i, norm in zip(at, _compat.foreach_norm(group, order, wide)):
                 out[i] = norm
     return two, peak
 
