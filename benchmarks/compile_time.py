@@ -108,12 +108,12 @@ def plan_work(name: str, index: int) -> dict:
     from torch._dynamo.utils import compile_times, counters
 
     from shrinkwrap.measuring.profile import Options
-    from shrinkwrap.measuring.step import _setup
-    from shrinkwrap.processes.copies import _build
+    from shrinkwrap.measuring.step import setup_iteration
+    from shrinkwrap.processes.copies import build_model
 
     make, batch, _ = setup(name)
     device = torch.device("cuda")
-    step, _ = _setup(_build(make, device, sw.Plan.parse(PLANS[name][index])), batch, Options(device="cuda"), device)
+    step, _ = setup_iteration(build_model(make, device, sw.Plan.parse(PLANS[name][index])), batch, Options(device="cuda"), device)
     built = time.perf_counter()
     step()
     torch.cuda.synchronize()

@@ -1572,7 +1572,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
 
     ap = sys.modules["shrinkwrap.autoplan.stages"]
     events = []
-    real_rows, real_build, real_timing = rows_module.measure_plans, rows_module._build, rows_module.time_interleaved
+    real_rows, real_build, real_timing = rows_module.measure_plans, rows_module.build_model, rows_module.time_interleaved
 
     def rows_of(make, plans, batch, options, **kw):
         events.extend(("row", str(p)) for p in plans)
@@ -1587,7 +1587,7 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
         return real_timing(models, *args, **kw)
 
     monkeypatch.setattr(rows_module, "measure_plans", rows_of)
-    monkeypatch.setattr(rows_module, "_build", built)
+    monkeypatch.setattr(rows_module, "build_model", built)
     monkeypatch.setattr(rows_module, "time_interleaved", timed)
     rows = rows_module.Rows(mlp, mlp(), BATCH, Options(iterations=1, device="cpu"), cuda, {})
     search = ap._Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, None, False, False)
@@ -1895,8 +1895,8 @@ def test_the_fresh_processes_are_primed_with_the_base_and_each_eager_plan_verifi
     monkeypatch.setattr(overlapped, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=1 << 40))
     recorded = []
-    warm = overlapped._warm_process
-    monkeypatch.setattr(overlapped, "_warm_process", lambda make, plan, *a: recorded.append(str(plan)) or warm(make, plan, *a))
+    warm = overlapped.warm_process
+    monkeypatch.setattr(overlapped, "warm_process", lambda make, plan, *a: recorded.append(str(plan)) or warm(make, plan, *a))
     compiled = sw.Plan.parse("channels_last(), compile()")
 
     def primed(make, batch, base, plans):

@@ -63,7 +63,7 @@ TABLE = [
 IDS = [v.id for v in TABLE]
 
 
-def _build(v: Vision, seed: int = 0) -> nn.Module:
+def build_model(v: Vision, seed: int = 0) -> nn.Module:
     pkg = pytest.importorskip(v.package)
     torch.manual_seed(seed)
     if v.package == "torchvision":
@@ -84,7 +84,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def case(v: Vision) -> Case:
-    return Case(functools.partial(_build, v), _batch, _loss, v.blocks, v.n_blocks, dropout=v.dropout)
+    return Case(functools.partial(build_model, v), _batch, _loss, v.blocks, v.n_blocks, dropout=v.dropout)
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +124,7 @@ def _build_no_randomness(v: Vision, seed: int = 0) -> nn.Module:
     """The model with its random modules (dropout, drop path, stochastic depth) in eval mode and
     BatchNorm still training. On CUDA a compiled graph draws its random numbers otherwise than
     eager (in forward and its recompute alike), so compiled and eager are compared without them."""
-    model = _build(v, seed)
+    model = build_model(v, seed)
     for m in model.modules():
         if "drop" in type(m).__name__.lower() or type(m).__name__ == "StochasticDepth":
             m.eval()

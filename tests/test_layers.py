@@ -103,3 +103,32 @@ def test_the_checker_sees_imports_inside_functions():
     g = graph()
     assert "models" in g["cli"]          # imported inside a function in cli.py
     assert "step" in g["transforms.checkpoint.step"]
+
+
+# Modules whose names start with an underscore are the package's own plumbing, imported by name.
+PLUMBING = {"_tree", "_wrapper", "_version", "_compat", "_rewrite"}
+MAX_LINES = 600
+
+
+def test_no_module_imports_a_private_name_from_another_package():
+    """A name used across packages (``processes`` from ``compare``) is part of the library's
+    internal interface and says so by having no underscore; a private name stays in its package."""
+    crossing = []
+    for name, path in modules().items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            target = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                private = alias.name.startswith("_") and alias.name not in PLUMBING and not alias.name.startswith("__")
+                if private and target[:1] != name.split(".")[:1]:
+                    crossing.append(f"{name} imports {'.'.join(target)}.{alias.name}")
+    assert not crossing, crossing
+
+
+def test_no_source_file_is_over_600_lines():
+    roots = [SRC, SRC.parent.parent / "benchmarks"]
+    long = {str(p.relative_to(SRC.parent.parent)): n for root in roots for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long

@@ -853,7 +853,7 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
         import shrinkwrap as sw
         from shrinkwrap.processes import compile_ahead
         from shrinkwrap.measuring.profile import Options
-        from shrinkwrap.measuring.step import _setup
+        from shrinkwrap.measuring.step import setup_iteration
 
         def make():
             torch.manual_seed(0)
@@ -867,7 +867,7 @@ def test_a_main_script_that_imports_torch_compiles_here_what_its_processes_compi
             for plan in plans:  # the training step the measuring harness runs (on a CPU measure()'s
                 # reading of saved bytes compiles other graphs)
                 torch._dynamo.reset()  # each plan compiled as a fresh process would
-                step, _ = _setup(sw.apply(make(), plan), x, Options(device="cpu"), torch.device("cpu"))
+                step, _ = setup_iteration(sw.apply(make(), plan), x, Options(device="cpu"), torch.device("cpu"))
                 step()
             print(dict(counters["aot_autograd"]))
     """)
@@ -950,11 +950,11 @@ class _Tied(nn.Module):
 
 
 def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
-    from shrinkwrap.processes.copies import _Copies
+    from shrinkwrap.processes.copies import ModelCopies
 
     original = _Tied()
     original.norm.running_mean.add_(1.0)
-    copy_ = _Copies(original)(torch.device("cpu"))
+    copy_ = ModelCopies(original)(torch.device("cpu"))
     assert copy_.head.weight is copy_.embed.weight  # still one parameter
     assert copy_.embed.weight is not original.embed.weight and copy_.embed.weight.note == "kept"
     assert not copy_.frozen.weight.requires_grad and isinstance(copy_.frozen.weight, nn.Parameter)
@@ -966,12 +966,12 @@ def test_a_copy_made_on_the_device_is_the_model_new_tied_where_it_was_tied():
 
 
 def test_a_copy_of_tensors_that_share_memory_keeps_them_shared():
-    from shrinkwrap.processes.copies import _Copies
+    from shrinkwrap.processes.copies import ModelCopies
 
     original = nn.Linear(4, 4)
     original.register_buffer("table", torch.zeros(3, 4))
     original.register_buffer("row", original.table[1])  # a buffer into another buffer's memory
-    copy_ = _Copies(original)(torch.device("cpu"))
+    copy_ = ModelCopies(original)(torch.device("cpu"))
     copy_.table[1, 0] = 5.0
     assert copy_.row[0] == 5.0 and original.row[0] == 0.0  # as deepcopy keeps them
 
@@ -1025,7 +1025,7 @@ def test_graph_pools_counts_private_pools_and_the_gradients_a_replay_wrote_there
          "segment_pool_id": (0, 7)},  # another GPU's graph pool
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    pool, unseen = graphs._graph_pools(torch.device("cuda", 0), [inside, None, recorded, outside])
+    pool, unseen = graphs.graph_pool_bytes(torch.device("cuda", 0), [inside, None, recorded, outside])
     assert (pool, unseen) == (inside.nbytes + recorded.nbytes, inside.nbytes)
 
 

@@ -31,13 +31,13 @@ from . import _rewrite
 from ._tree import tensors, tree_map
 from .measuring.profile import LossFn, OptimizerFactory, Options, Profile
 from .measuring.ranks import rank_and_world
-from .measuring.step import _clean, _setup, device_name, measure_with, numbered, resolve_device
+from .measuring.step import clean_device, setup_iteration, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
 from .processes import FreshProcesses, model_maker
-from .processes.copies import _build, _Copies
-from .processes.fresh import _error_line
-from .processes.sendable import _unsendable
+from .processes.copies import build_model, ModelCopies
+from .processes.fresh import first_error_line
+from .processes.sendable import why_unsendable
 from .report import Report, Row
 
 Progress = Callable[[int, int, str], None]
@@ -91,7 +91,7 @@ def _last_record(model: nn.Module, plan: Plan) -> tuple[tuple, tuple]:
     return (rec.matched, rec.skipped) if rec else ((), ())
 
 
-def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, snapshot: str | None,
+def measure_row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, snapshot: str | None,
          keep_going: bool = False, parallelize: Parallelize | None = None) -> tuple[Profile | tuple[str, str], tuple, tuple]:
     """Measure one row: (profile, matched, skipped). Out of memory comes back as ``("oom",
     message)`` in place of the profile, so the report goes on; with ``keep_going`` any other error
@@ -100,7 +100,7 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
     matched: tuple = ()
     skipped: tuple = ()
     try:
-        model = _build(make, device, plan)
+        model = build_model(make, device, plan)
         matched, skipped = _last_record(model, plan)
         if parallelize is not None:
             model = parallelize(model)
@@ -113,27 +113,27 @@ def _row(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is a row, not the end
         if not keep_going:
             raise
-        return ("failed", _error_line(exc)), matched, skipped
+        return ("failed", first_error_line(exc)), matched, skipped
     finally:
         model = None  # this frame's reference must go before the cache is emptied for the next row
-        _clean(device)
+        clean_device(device)
 
 
-def _as_row(plan: Plan, result: Profile | tuple[str, str], matched: tuple, skipped: tuple, role: str) -> Row:
-    """What :func:`_row` returned, as a report's row."""
+def as_row(plan: Plan, result: Profile | tuple[str, str], matched: tuple, skipped: tuple, role: str) -> Row:
+    """What :func:`measure_row` returned, as a report's row."""
     if isinstance(result, tuple):
         return Row(plan, None, matched, skipped, status=result[0], error=result[1], role=role)
     return Row(plan, result, matched, skipped, role=role)
 
 
-def _warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> bool:
+def warm_process(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> bool:
     """Run ``plan``'s first iterations once, untimed, in this process: the first row measured in a
     process otherwise pays what the process does once (thread pools, allocations, lazy imports):
     on a CPU a plan that recomputes read faster than the baseline measured before it. Returns
     whether they ran."""
     try:
-        model = _build(make, torch.device(options.device), plan)
-        step, _ = _setup(model, batch, options, torch.device(options.device))
+        model = build_model(make, torch.device(options.device), plan)
+        step, _ = setup_iteration(model, batch, options, torch.device(options.device))
         for _ in range(options.warmup):
             step()
         return True
@@ -192,18 +192,18 @@ def measure_plans(
                       "this process group")
     # CUDA tensors would be shared with a subprocess, not copied.
     batch = tree_map(lambda t: t.to("cpu"), batch) if isolate else batch
-    unsendable = _unsendable((make, plans, batch, options)) if isolate else None
+    unsendable = why_unsendable((make, plans, batch, options)) if isolate else None
     if unsendable:
         isolate = False
         notes.append(f"rows measured in this process, not in subprocesses: {unsendable}")
     if device.type == "cuda" and not isolate:
         notes.append("in-process CUDA rows: caches emptied and peak statistics reset between rows, but "
                      "cuDNN workspaces and earlier rows' context may still count")
-        if isinstance(make, _Copies) and any(p.is_cuda for p in make.model.parameters()):
+        if isinstance(make, ModelCopies) and any(p.is_cuda for p in make.model.parameters()):
             notes.append("your model's own weights stay on the GPU and are counted in every row")
 
     if not isolate and device.type == "cpu" and plans:
-        _warm_process(make, plans[0], batch, options)
+        warm_process(make, plans[0], batch, options)
     rows = []
     # Rows' processes are joined as it closes, after the last row (see FreshProcesses.run).
     with contextlib.nullcontext(processes) if processes else FreshProcesses() as fresh:
@@ -214,22 +214,22 @@ def measure_plans(
             args = (make, plan, batch, options, numbered(snapshot, i) if snapshot else None, keep_going, parallelize)
             if isolate:
                 try:
-                    result, matched, skipped = fresh.run(_row, *args)
+                    result, matched, skipped = fresh.run(measure_row, *args)
                 except concurrent.futures.process.BrokenProcessPool as exc:
                     isolate = False
                     notes.append(f"a subprocess failed ({exc}); rows from {str(plan) or 'baseline'!r} on "
                                  "measured in this process")
-                    result, matched, skipped = _row(*args)
+                    result, matched, skipped = measure_row(*args)
             else:
-                result, matched, skipped = _row(*args)
-            rows.append(_as_row(plan, result, matched, skipped, role))
+                result, matched, skipped = measure_row(*args)
+            rows.append(as_row(plan, result, matched, skipped, role))
     for row in rows:
         if device.type == "cuda" and row.profile is not None and (fit or (fit is None and row.profile.cuda_graphs)):
             if progress:
                 progress(len(plans), len(plans), f"fit test: {row.label}")
             if parallelize is not None or rank_and_world():
                 notes.append(f"{row.label}: not fit-tested (a fit probe trains one process, not a process group)")
-            elif why := _unsendable((make, row.plan, batch, options)):
+            elif why := why_unsendable((make, row.plan, batch, options)):
                 notes.append(f"{row.label}: not fit-tested (it trains in fresh processes): {why}")
             else:
                 row.fit = fit_test(make, batch, row.plan, options)
@@ -302,8 +302,8 @@ def plan_report(
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     if plan.steps:
         dev = resolve_device(device)
-        _build(make, dev, plan)  # raises here, before minutes of measuring, if a step cannot apply
-        _clean(dev)
+        build_model(make, dev, plan)  # raises here, before minutes of measuring, if a step cannot apply
+        clean_device(dev)
     prefixes = [Plan(plan.steps[:i]) for i in range(len(plan) + 1)]
     report = measure_plans(make, prefixes, batch, options, isolate=isolate, snapshot=snapshot,
                            progress=progress, name=name, parallelize=parallelize, fit=fit)

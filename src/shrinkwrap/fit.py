@@ -34,12 +34,12 @@ import torch.nn as nn
 
 from ._tree import tree_map
 from .processes import PROCESS_MARGIN, compile_settings, model_maker, take_settings
-from .processes.copies import _build
-from .processes.fresh import _end, _error_line, _stop
-from .processes.sendable import _unsendable
-from .measuring.graphs import _graph_pools
+from .processes.copies import build_model
+from .processes.fresh import end_pool, first_error_line, stop_pool
+from .processes.sendable import why_unsendable
+from .measuring.graphs import graph_pool_bytes
 from .measuring.profile import Options
-from .measuring.step import _setup, device_name, resolve_device
+from .measuring.step import setup_iteration, device_name, resolve_device
 from .plan import Plan, PlanLike, as_plan
 
 MiB = 2**20
@@ -120,16 +120,16 @@ def _probe(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     model = step = None
     built = None
     try:
-        model = _build(make, device, plan)
+        model = build_model(make, device, plan)
         built = torch.cuda.memory_allocated(device)
-        step, _ = _setup(model, batch, options, device)
+        step, _ = setup_iteration(model, batch, options, device)
         for _ in range(iterations):
             step()
         torch.cuda.synchronize(device)
         ok, oom, error = True, False, None
     except Exception as exc:  # noqa: BLE001 - out of memory is the answer; anything else is reported
-        ok, oom, error = False, _out_of_memory(exc), _error_line(exc)
-    pools = _graph_pools(device, [])[0] if ok else None
+        ok, oom, error = False, _out_of_memory(exc), first_error_line(exc)
+    pools = graph_pool_bytes(device, [])[0] if ok else None
     return Probe(cap, ok, oom, error, torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device),
                  pools, built, time.perf_counter() - start)
 
@@ -148,11 +148,11 @@ def _run(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options
             try:
                 out.append(future.result())
             except Exception as exc:  # noqa: BLE001 - a process that died (killed for memory, say)
-                out.append(Probe(cap, False, _out_of_memory(exc), _error_line(exc)))
+                out.append(Probe(cap, False, _out_of_memory(exc), first_error_line(exc)))
         return out
     finally:
         for pool in pools:
-            _end(_stop(pool), grace=10)
+            end_pool(stop_pool(pool), grace=10)
 
 
 def _prepare(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, plan: PlanLike, options: Options,
@@ -164,7 +164,7 @@ def _prepare(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
         raise ValueError(f"shrinkwrap: {where} caps the CUDA allocator; it needs a CUDA device, not {device}")
     options = dataclasses.replace(options, device=str(device))
     batch = tree_map(lambda t: t.to("cpu"), batch)  # CUDA tensors would be shared with the processes, not copied
-    why = _unsendable((make, plan, batch, options))
+    why = why_unsendable((make, plan, batch, options))
     if why:
         raise RuntimeError(f"shrinkwrap: {where} trains in fresh processes, and cannot start them: {why}")
     return make, plan, batch, options

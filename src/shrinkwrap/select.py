@@ -281,7 +281,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
-        if any(_inside(name, b) for b in real_blocks):
+        if any(lies_inside(name, b) for b in real_blocks):
             continue
         kids = [(f"{name}.{k}" if name else k, unwrap(m)) for k, m in c.named_children()]
         kids = [(n, m) for n, m in kids if has_params(m) and any(True for _ in m.children())]
@@ -297,7 +297,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
         for blocks in found:
             if len(blocks) < 2:
                 continue
-            nested = any(_inside(name, b) for _, bs, _ in out for b in bs)
+            nested = any(lies_inside(name, b) for _, bs, _ in out for b in bs)
             out.append((name, [n for n, _ in blocks], nested))
             real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
     return out
@@ -327,9 +327,9 @@ def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
     groups = block_groups(model)
     stages = [container for container, _, _ in groups]
     return [b for _, names, _ in groups for b in names
-            if b != within and _inside(b, within) and not any(_inside(s, b) for s in stages)]
+            if b != within and lies_inside(b, within) and not any(lies_inside(s, b) for s in stages)]
 
 
-def _inside(name: str, region: str) -> bool:
+def lies_inside(name: str, region: str) -> bool:
     """Whether the module ``name`` is ``region`` or lies inside it (``""``, the root, holds all)."""
     return not region or name == region or name.startswith(region + ".")

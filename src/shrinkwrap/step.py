@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
-from .select import _inside, require_module, wrong
+from .select import lies_inside, require_module, wrong
 
 _STEPS: dict[str, type["Step"]] = {}
 
@@ -58,7 +58,7 @@ class Candidate:
     def overlaps(self, other: "Candidate") -> bool:
         """Whether the two cannot both be taken: they cover a module in common, or their steps
         cannot share a plan (:meth:`Step.conflict`)."""
-        return any(_inside(a, b) or _inside(b, a) for a in self.covers for b in other.covers) or any(
+        return any(lies_inside(a, b) or lies_inside(b, a) for a in self.covers for b in other.covers) or any(
             a.conflict(b) or b.conflict(a) for a in self.steps for b in other.steps)
 
 

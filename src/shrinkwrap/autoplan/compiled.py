@@ -12,13 +12,13 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..compare import _as_row, _row
+from ..compare import as_row, measure_row
 from ..measuring.ratios import timed_against, within_slowdown
 from ..measuring.profile import Options
 from ..plan import Plan
-from ..processes.copies import _build
+from ..processes.copies import build_model
 from ..report import Row
-from ..select import _inside, innermost_blocks, pattern_for
+from ..select import lies_inside, innermost_blocks, pattern_for
 from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
@@ -87,7 +87,7 @@ def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:
         stems = SpaceToDepth().targets(model).payload
     except (ValueError, TypeError):  # no stem convolution the form applies to
         return steps
-    convs = [c for c in stems if any(_inside(c, r) for r in regions)]
+    convs = [c for c in stems if any(lies_inside(c, r) for r in regions)]
     return [SpaceToDepth(pattern_for(model, convs)), *steps] if convs else steps
 
 
@@ -138,12 +138,12 @@ class _Turn:
     within: tuple[float, ...] | None
 
     def row(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options) -> tuple[tuple, float]:
-        """``plan``'s row as a fresh process measures it (:func:`~shrinkwrap.compare._row`), with
+        """``plan``'s row as a fresh process measures it (:func:`~shrinkwrap.compare.measure_row`), with
         the seconds it took and what it reads; and what it reads again, the key of the second
         turns (a row without a figure last)."""
         started = time.perf_counter()
-        result, matched, skipped = _row(make, plan, batch, options, None, keep_going=True)
-        mem = self.metric(_as_row(plan, result, matched, skipped, "compiled"))
+        result, matched, skipped = measure_row(make, plan, batch, options, None, keep_going=True)
+        mem = self.metric(as_row(plan, result, matched, skipped, "compiled"))
         return (result, matched, skipped, time.perf_counter() - started, mem), math.inf if mem is None else float(mem)
 
     def timed(self, make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Options, first: tuple,
@@ -161,7 +161,7 @@ class _Turn:
         if self.slowdown is not None and _timing_decides(mem, self.target,
                                                          None if self.within is None else [*self.within, *before]):
             device = torch.device(options.device)
-            timings = timed_against(_build(make, device, Plan()), _build(make, device, plan), batch, options,
+            timings = timed_against(build_model(make, device, Plan()), build_model(make, device, plan), batch, options,
                                     self.slowdown, self.tolerance)
         within = timings is not None and self.within is not None and \
             within_slowdown(*timings, self.slowdown, self.tolerance)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..compare import Progress, _warm_process
+from ..compare import Progress, warm_process
 from ..measuring import first_use
 from ..measuring.step import resolve_device
 from ..plan import Plan
@@ -81,7 +81,7 @@ class OverlappedRows(Rows):
         self.measured_here = True
         self.primed.add(str(plan))
         with first_use.recorded() as calls:
-            ran = _warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
+            ran = warm_process(self.local, plan, self.batch, dataclasses.replace(self.options_for(plan), warmup=1))
         # A model without convolutions or cuDNN attention makes none under any plan: one iteration
         # a verified plan would be spent recording nothing.
         self.primed_none = ran and not calls and len(self.primed) == 1

@@ -26,8 +26,8 @@ from ..measuring.step import resolve_device
 from ..measuring.turns import forward_times, time_interleaved
 from ..plan import Plan
 from ..processes import FreshProcesses
-from ..processes.copies import _build, _Copies
-from ..processes.sendable import _unsendable
+from ..processes.copies import build_model, ModelCopies
+from ..processes.sendable import why_unsendable
 from ..report import Row
 from ..step import Step
 
@@ -56,10 +56,10 @@ class Rows:
         # The model to read names from: the copy kept on the CPU, where there is one, so that the
         # factory's model, which may be on the GPU, can go (it is never moved: a factory may hand
         # out one shared model).
-        self.probe = self.local.model if isinstance(self.local, _Copies) and self.local is not make else model
+        self.probe = self.local.model if isinstance(self.local, ModelCopies) and self.local is not make else model
         self.fresh = self._processes(make, model)
-        # Why no fresh process can start (see _unsendable), or None: every row is then measured here.
-        self.unsendable = _unsendable((make, batch, options)) if cuda else None
+        # Why no fresh process can start (see why_unsendable), or None: every row is then measured here.
+        self.unsendable = why_unsendable((make, batch, options)) if cuda else None
         self.measured_here = False  # whether a row has run in this process
         self.foreign: int | None = None  # what the process held on the GPU before the first row (see held)
 
@@ -121,7 +121,7 @@ class Rows:
 
     def model(self, plan: Plan) -> nn.Module:
         """A copy of the model on the device, with ``plan`` applied: what this process runs."""
-        return _build(self.local, resolve_device(self.options.device), plan)
+        return build_model(self.local, resolve_device(self.options.device), plan)
 
     def warm_up(self, plan: Plan) -> None:
         """Run ``plan`` for a few iterations in this process, unless its row ran here already:
@@ -218,10 +218,10 @@ def _isolation(rows: Rows, isolate_candidates: bool) -> str:
 def _copies_of(make: Callable[[], nn.Module], model: nn.Module) -> Callable[[], nn.Module]:
     """Fresh models for rows in this process: copies of ``model``, new from ``make`` and untouched,
     kept on the CPU; ``make`` itself where the model cannot be copied."""
-    if isinstance(make, _Copies):
+    if isinstance(make, ModelCopies):
         return make
     try:
-        return _Copies(copy.deepcopy(model).to("cpu"))
+        return ModelCopies(copy.deepcopy(model).to("cpu"))
     except Exception:  # noqa: BLE001 - deepcopy fails in many ways (locks, open files, C handles)
         return make
 

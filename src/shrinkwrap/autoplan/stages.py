@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch.nn as nn
 
 from .._compat import aot_autograd_cache_counts
-from ..compare import Progress, _as_row
+from ..compare import Progress, as_row
 from ..measuring.ratios import ratio_interval, timed_against, within_slowdown
 from ..plan import Plan
 from ..report import Row
@@ -452,7 +452,7 @@ class _Search:
                 progress(i, len(plans), f"compiled: {plan}")
             if plan in there:
                 result, matched, skipped, timings, _ = there[plan]
-                row = self.rows.cache[str(plan), True] = _as_row(plan, result, matched, skipped, "compiled")
+                row = self.rows.cache[str(plan), True] = as_row(plan, result, matched, skipped, "compiled")
                 if timings is not None:
                     self.ratios[str(plan)] = timings
                 row = dataclasses.replace(row)

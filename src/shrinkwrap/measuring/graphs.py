@@ -17,7 +17,7 @@ from .ranks import local
 from .sizes import _bytes
 
 
-def _graph_pools(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
+def graph_pool_bytes(device: torch.device, grads: list[torch.Tensor | None]) -> tuple[int, int]:
     """Bytes reserved on ``device`` in private memory pools (CUDA graphs'), and the bytes of
     ``grads`` whose storage (a DTensor's: this rank's shard) lies in them outside every block the
     allocator counts as allocated: written by a replayed graph, unseen by its counters (one a

@@ -41,7 +41,7 @@ from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import compiled_how, require_module
 from ..transforms.optimizer.interface import trained_by
-from .graphs import _as_recorded, _dynamo_counts, _graph_pools, _graph_trees, _recompile_limit, _recorded_whole, _replays
+from .graphs import _as_recorded, _dynamo_counts, graph_pool_bytes, _graph_trees, _recompile_limit, _recorded_whole, _replays
 from .modules import ModuleLog
 from .profile import LossFn, OptimizerFactory, Options, Phase, Profile
 from .ranks import gather, rank_and_world
@@ -135,7 +135,7 @@ class _Iteration:
         mark("step")
 
 
-def _clean(device: torch.device) -> None:
+def clean_device(device: torch.device) -> None:
     """Free what earlier work left behind before reading the allocator. Without CUDA no reading
     depends on it, and a full gc in a large process costs more than the steps it precedes."""
     if device.type == "cuda":
@@ -258,7 +258,7 @@ def numbered(path: str, tag: object) -> str:
     return f"{stem}.{tag}.{suffix}" if dot and "/" not in suffix else f"{path}.{tag}"
 
 
-def _setup(model: nn.Module, batch: Any, options: Options, device: torch.device) -> tuple[_Iteration, Any]:
+def setup_iteration(model: nn.Module, batch: Any, options: Options, device: torch.device) -> tuple[_Iteration, Any]:
     """The model on ``device`` in training mode, and an iteration with a fresh optimizer."""
     model.to(device).train()
     batch = tree_map(lambda t: t.to(device), batch)
@@ -273,13 +273,13 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
     if snapshot and device.type != "cuda":
         raise ValueError("shrinkwrap: a memory snapshot records the CUDA allocator; it needs device='cuda'")
     cuda = device.type == "cuda"
-    step, batch = _setup(model, batch, options, device)
+    step, batch = setup_iteration(model, batch, options, device)
     opt = step.opt
 
     compiled = is_compiled(model)
     counts = _dynamo_counts if compiled else (lambda: (0, 0))
     graphs_start, breaks_start = counts()
-    _clean(device)
+    clean_device(device)
     first: list[Phase] = []
     trees = (lambda: _graph_trees(device)) if compiled and cuda else (lambda: None)
 
@@ -301,14 +301,14 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         else:
             step()
     graphs_warm, _ = counts()
-    _clean(device)
+    clean_device(device)
     static = torch.cuda.memory_allocated(device) if cuda else None
     # Read before the steady step's zero_grad: a recording's gradients, which the counters hold in
     # static already, are replaced then by ones a replay writes, unseen.
-    _, unseen_grads = _graph_pools(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
+    _, unseen_grads = graph_pool_bytes(device, [p.grad for p in model.parameters()]) if compiled and cuda else (0, 0)
     steady: list[Phase] = []
     replayed, steady_recorded = read(steady) if cuda else ([], False)
-    pool = _graph_pools(device, [])[0] if replayed else 0  # after it: a steady step may record (warmup=1)
+    pool = graph_pool_bytes(device, [])[0] if replayed else 0  # after it: a steady step may record (warmup=1)
     recorded = None
     if replayed and not steady_recorded:  # the steady step replayed graphs, whose memory the counters miss
         static += unseen_grads  # gradients a replay wrote: in use, and not counted

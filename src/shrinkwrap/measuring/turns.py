@@ -14,7 +14,7 @@ from ..select import require_module
 from .modules import ForwardTimes
 from .profile import Options, Timing
 from .restore import restored
-from .step import _setup, _timed, resolve_device
+from .step import setup_iteration, _timed, resolve_device
 
 
 def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
@@ -44,7 +44,7 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
         steps = {}
         for name, model in models.items():
             stack.enter_context(restored(require_module(model, "time_interleaved()")))
-            steps[name], _ = _setup(model, batch, options, device)
+            steps[name], _ = setup_iteration(model, batch, options, device)
             for _ in range(options.warmup):
                 steps[name]()
         names = list(steps)
@@ -75,7 +75,7 @@ def forward_times(model: nn.Module, batch: Any, options: Options = Options()) ->
     """
     device = resolve_device(options.device)
     with restored(require_module(model, "forward_times()")):
-        step, _ = _setup(model, batch, options, device)
+        step, _ = setup_iteration(model, batch, options, device)
         for _ in range(options.warmup):
             step()
         with ForwardTimes(model, device if device.type == "cuda" else None) as times:

@@ -16,11 +16,11 @@ import torch.nn as nn
 
 from .._tree import tree_map
 from ..measuring.profile import Options
-from ..measuring.step import _clean, _setup, resolve_device
+from ..measuring.step import clean_device, setup_iteration, resolve_device
 from ..plan import Plan
-from .copies import _build
-from .fresh import PROCESS_MARGIN, _end, _error_line, _stop
-from .sendable import _unsendable
+from .copies import build_model
+from .fresh import PROCESS_MARGIN, end_pool, first_error_line, stop_pool
+from .sendable import why_unsendable
 from .settings import compile_settings, take_settings
 
 
@@ -32,16 +32,16 @@ def _first_steps(make: Callable[[], nn.Module], plan: Plan, batch: Any, options:
     take_settings(settings)
     device = torch.device(options.device)
     try:
-        model = _build(make, device, plan)
-        step, _ = _setup(model, batch, options, device)
+        model = build_model(make, device, plan)
+        step, _ = setup_iteration(model, batch, options, device)
         for _ in range(options.warmup + 1):
             step()
         return None
     except Exception as exc:  # noqa: BLE001 - only a head start: the plan's own row says what fails
-        return _error_line(exc)
+        return first_error_line(exc)
     finally:
         model = step = None
-        _clean(device)
+        clean_device(device)
 
 
 _TURNS: _Turns | None = None  # in a process ahead, with compile_ahead's ``then``
@@ -127,7 +127,7 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     try:
         result = then(make, plan, batch, options)
     except Exception as exc:  # noqa: BLE001 - this plan's failure, not the end of the others' turns
-        failed = _error_line(exc)
+        failed = first_error_line(exc)
     finally:
         _TURNS.lock.release()
     if after is None:
@@ -140,7 +140,7 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
         if not failed:  # one that failed leaves nothing: its turn passes
             result, _TURNS.left[place] = after(make, plan, batch, options, result, list(_TURNS.left[:place]))
     except Exception as exc:  # noqa: BLE001 - as in the first turn
-        failed = _error_line(exc)
+        failed = first_error_line(exc)
     finally:
         _TURNS.taken.value += 1  # only the process whose turn it is writes it
     return failed or result
@@ -153,7 +153,7 @@ def _processes_fitting(device: torch.device, room: int | None) -> int | None:
     worth: tests/test_measure.py's CUDA test)."""
     if device.type != "cuda" or room is None:
         return None
-    _clean(device)
+    clean_device(device)
     return int(torch.cuda.mem_get_info(device)[0] // (room + PROCESS_MARGIN))
 
 
@@ -217,7 +217,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         settings = compile_settings()
     except Exception:  # noqa: BLE001 - a torch without these configurations' export: this process compiles them itself
         return 0, []
-    if _unsendable((make, list(plans), batch, options, settings, then, after)):
+    if why_unsendable((make, list(plans), batch, options, settings, then, after)):
         return 0, []
     context = multiprocessing.get_context("spawn")
     turns: _Turns | None = None
@@ -235,7 +235,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
             # it has compiled; else each plan starts as a process ends.
             if waiting and len(running) < at_once and (then is None or not running):
                 while stopped:  # gone, and their memory with them, before the next one starts
-                    _end(stopped.pop(), grace=10)
+                    end_pool(stopped.pop(), grace=10)
                 if then is not None:
                     before = [] if turns is None else list(turns.left)
                     seconds += [] if turns is None else list(turns.seconds)
@@ -257,16 +257,16 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 try:
                     out[i] = future.result()
                 except Exception as exc:  # noqa: BLE001 - a process that died (BrokenProcessPool)
-                    out[i] = _error_line(exc)
+                    out[i] = first_error_line(exc)
                     if turns is not None:
                         turns.broken.value = 1  # the others' turns never come: they end without one
-                stopped.append(_stop(pool))
+                stopped.append(stop_pool(pool))
     except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
         for i, _ in waiting + list(running.values()):
-            out[i] = _error_line(exc)
+            out[i] = first_error_line(exc)
     finally:
         for ending in stopped:
-            _end(ending, grace=10)
+            end_pool(ending, grace=10)
         for _, pool in running.values():
-            _end(_stop(pool), grace=0)
+            end_pool(stop_pool(pool), grace=0)
     return at_once, out

@@ -1,5 +1,5 @@
 """How a model travels to a fresh process and is built there: a factory, or copies of an instance
-(:class:`_Copies`), and a plan's model made on the device (:func:`_build`)."""
+(:class:`ModelCopies`), and a plan's model made on the device (:func:`build_model`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..plan import Plan
 from ..select import wrong
 
 
-class _Copies:
+class ModelCopies:
     """Fresh copies of one model instance, so the user's own model is never touched.
 
     In this process a copy is a ``deepcopy`` (given a ``device``, made there directly: see
@@ -43,7 +43,7 @@ def model_maker(model_or_factory: nn.Module | Callable[[], nn.Module], where: st
     """A function returning a fresh model each call: the factory itself, or copies of an instance;
     ``where`` names the public function for the message if it is neither."""
     if isinstance(model_or_factory, nn.Module):
-        return _Copies(model_or_factory)
+        return ModelCopies(model_or_factory)
     if callable(model_or_factory):
         return model_or_factory
     raise TypeError(wrong(where, "a model or a function returning one", model_or_factory))
@@ -70,8 +70,8 @@ def _copy_onto(model: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _build(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
-    model = make(device) if isinstance(make, _Copies) else make()
+def build_model(make: Callable[[], nn.Module], device: torch.device, plan: Plan) -> nn.Module:
+    model = make(device) if isinstance(make, ModelCopies) else make()
     if not isinstance(model, nn.Module):
         raise TypeError(f"shrinkwrap: the model factory returned {type(model).__name__}, not an nn.Module")
     return plan.apply(model.to(device))

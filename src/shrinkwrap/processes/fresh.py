@@ -1,6 +1,6 @@
 """Fresh processes for rows: a new spawned process each (:class:`FreshProcesses`), optionally
 started ahead and primed with cuDNN's first-use calls, and how a pool's processes are ended
-(:func:`_stop`, :func:`_end`)."""
+(:func:`stop_pool`, :func:`end_pool`)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch.nn as nn
 
 from .._compat import pool_processes
 from ..measuring.first_use import Calls, replay
-from .copies import _Copies
-from .sendable import _unsendable
+from .copies import ModelCopies
+from .sendable import why_unsendable
 from .settings import module_order, take_module_order
 
 
-def _error_line(exc: BaseException) -> str:
+def first_error_line(exc: BaseException) -> str:
     """An error as a row or a note shows it: its type and the first line of its message."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:300]
@@ -49,16 +49,16 @@ def _ready(make: Callable[[], nn.Module] | None, modules: Sequence[str] = (),
         torch.cuda.init()
 
 
-def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> tuple:
-    """Tell ``pool``'s processes to exit, without waiting; returns what :func:`_end` waits for.
+def stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> tuple:
+    """Tell ``pool``'s processes to exit, without waiting; returns what :func:`end_pool` waits for.
     The pool is held in it, so that it is not collected while its thread shuts them down."""
     ending = pool, *pool_processes(pool)
     pool.shutdown(wait=False, cancel_futures=True)
     return ending
 
 
-def _end(ending: tuple, grace: float) -> None:
-    """Terminate the processes of a stopped pool (see :func:`_stop`) still alive after ``grace``
+def end_pool(ending: tuple, grace: float) -> None:
+    """Terminate the processes of a stopped pool (see :func:`stop_pool`) still alive after ``grace``
     seconds, and return once the pool's thread has reaped them. Only that thread joins them: a
     second thread joining the same child races it (the loser's ``waitpid`` fails, and the child
     stays listed as running)."""
@@ -99,22 +99,22 @@ class FreshProcesses:
     def __init__(self, make: Callable[[], nn.Module] | None = None, modules: Sequence[str] = (),
                  ahead: bool = False) -> None:
         # A copied instance would travel twice (torch.save bytes): only the imports and the CUDA start go ahead.
-        self.make = None if isinstance(make, _Copies) else make
+        self.make = None if isinstance(make, ModelCopies) else make
         self.modules = tuple(modules)
         self.ahead = ahead
         # How many wait with ``ahead`` (a caller short of GPU memory keeps one: each holds a CUDA context).
         self.depth = AHEAD if ahead else 1
         self._waiting: list[concurrent.futures.ProcessPoolExecutor] = []  # started, in the order they will run rows
         self._primer: tuple[Calls, int] | None = None  # see prime
-        # Stopped pools whose row is done (see _stop), which close() waits for.
+        # Stopped pools whose row is done (see stop_pool), which close() waits for.
         self._exiting: list[tuple] = []
 
     def start_next(self, count: int | None = None) -> None:
         """Start the next row's process (with ``ahead``, the next :attr:`depth`; or ``count``),
-        unless started, or none can be (see :func:`_unsendable`: ``run`` then raises, and callers
+        unless started, or none can be (see :func:`why_unsendable`: ``run`` then raises, and callers
         check before)."""
         # Cheap to ask each time: a factory and module names (an instance's copies do not go ahead).
-        while len(self._waiting) < (count or self.depth) and not _unsendable((self.make, self.modules)):
+        while len(self._waiting) < (count or self.depth) and not why_unsendable((self.make, self.modules)):
             pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._waiting.append(pool)
             # module_order: a row's process keys its compiled graphs as this one does
@@ -137,14 +137,14 @@ class FreshProcesses:
                 pool.submit(replay, new, keep)
             except Exception:  # noqa: BLE001 - it died waiting (killed for memory): a row starts its own
                 self._waiting.remove(pool)
-                _end(_stop(pool), grace=0)
+                end_pool(stop_pool(pool), grace=0)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in the next fresh process (a row: ``compare._row``); what it returns."""
+        """``fn(*args)`` in the next fresh process (a row: ``compare.measure_row``); what it returns."""
         if not self._waiting:
             self.start_next(1)  # the rest as the row starts, not beside its start
         if not self._waiting:
-            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {_unsendable((self.make, *args))}")
+            raise RuntimeError(f"shrinkwrap: a row's fresh process cannot start: {why_unsendable((self.make, *args))}")
         pool = self._waiting.pop(0)
         try:
             future = pool.submit(fn, *args)
@@ -158,20 +158,20 @@ class FreshProcesses:
             # Not waited for here: the process exits while this one goes on (an exit takes seconds
             # after a large model's row), and close() waits for it. Its CUDA context is not this
             # process's allocator's, so no reading here counts it.
-            self._exiting.append(_stop(pool))
+            self._exiting.append(stop_pool(pool))
 
     def stop_next(self) -> None:
         """Stop the processes started ahead, if any, at once: they have measured nothing. Before
         work that reads the GPU's free memory (their CUDA contexts would count as taken); the next
         :meth:`run` starts them again."""
         for pool in self._waiting:
-            _end(_stop(pool), grace=0)  # it may still be importing
+            end_pool(stop_pool(pool), grace=0)  # it may still be importing
         self._waiting.clear()
 
     def close(self) -> None:
         self.stop_next()
         for ending in self._exiting:
-            _end(ending, grace=10)  # its row came back: nothing is left for it to do
+            end_pool(ending, grace=10)  # its row came back: nothing is left for it to do
         self._exiting.clear()
 
     def __enter__(self) -> "FreshProcesses":

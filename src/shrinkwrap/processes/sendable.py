@@ -1,5 +1,5 @@
 """Whether a fresh process can start at all: what it is sent must pickle, and the main script,
-which a spawned process runs again, must let it (:func:`_unsendable`; the main guard read from the
+which a spawned process runs again, must let it (:func:`why_unsendable`; the main guard read from the
 script's syntax tree)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import types
 from typing import Any, Iterator
 
 from .._compat import caller_frame
-from .copies import _Copies
+from .copies import ModelCopies
 
 
-def _unsendable(args: tuple) -> str | None:
+def why_unsendable(args: tuple) -> str | None:
     """Why ``args`` cannot be sent to a spawned process, or None: they do not pickle; the main
     script would run again there to harm (:func:`_main_reruns`); or they name a function or
     class of ``__main__`` that a spawned process cannot find: one of an interactive session
@@ -26,7 +26,7 @@ def _unsendable(args: tuple) -> str | None:
 
     Example::
 
-        >>> _unsendable((lambda: None,))
+        >>> why_unsendable((lambda: None,))
         "the factory, batch, loss or plan does not pickle (Can't pickle <function <lambda> ...>): use ..."
     """
     finder = _MainNames(io.BytesIO())
@@ -62,7 +62,7 @@ class _MainNames(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
             self.names.append(getattr(obj, "__qualname__", repr(obj)))
-        elif isinstance(obj, _Copies):
+        elif isinstance(obj, ModelCopies):
             self.names += [type(m).__qualname__ for m in obj.model.modules() if type(m).__module__ == "__main__"]
         return NotImplemented
 

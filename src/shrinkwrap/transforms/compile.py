@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from .. import _compat
-from ..select import Pattern, SelectionError, _inside, compiled_how, select
+from ..select import Pattern, SelectionError, lies_inside, compiled_how, select
 from ..step import Step, Targets, applied_steps
 
 # Backends that partition with the default strategy (or not at all): they would ignore a budget.
@@ -264,7 +264,7 @@ class Compile(Step):
             what = f"{name or type(model).__name__} ({module._get_name()})"
             # A selected module or one above it: compiling inside a compiled module would compile
             # twice, one graph nested in the other.
-            compiled = [n for n in by_hand if _inside(name, n)]
+            compiled = [n for n in by_hand if lies_inside(name, n)]
             if compiled:
                 raise ValueError(
                     f"shrinkwrap: {self}: {compiled[0] or type(model).__name__} is already compiled "
