@@ -252,6 +252,8 @@ def test_a_step_has_one_public_name_the_call_its_text_writes():
         assert getattr(importlib.import_module(cls.__module__), cls.__name__) is cls  # the class: its family's
     public = [getattr(sw, name) for name in sw.__all__]
     assert len({id(obj) for obj in public}) == len(public)  # nothing exported twice
+    with pytest.raises(AttributeError, match=r"^shrinkwrap: a step has one public name, its call: sw\.checkpoint"):
+        sw.Checkpoint
 
 
 def test_a_star_import_rebinds_no_builtin_and_compile_is_still_a_step():

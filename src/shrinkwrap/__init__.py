@@ -44,3 +44,14 @@ __all__ = [
     # would rebind it. It is written shrinkwrap.compile(...), as in a plan's text.
     *(_name for _name in _CALLS if not hasattr(_builtins, _name)),
 ]
+
+_CLASS_NAMES = {_cls.__name__: _cls for _cls in registered()}
+
+
+def __getattr__(name: str):
+    # A step's class name (sw.Checkpoint) is not a second public name; say which one is.
+    if name in _CLASS_NAMES:
+        cls = _CLASS_NAMES[name]
+        raise AttributeError(f"shrinkwrap: a step has one public name, its call: sw.{cls.name}(...). The class is "
+                             f"{cls.__module__}.{name}.")
+    raise AttributeError(f"module 'shrinkwrap' has no attribute {name!r}")
