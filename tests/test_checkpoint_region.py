@@ -1,5 +1,5 @@
-"""CheckpointModule / apply_checkpoint: one region, exact and transparent: names, state, dropout and BatchNorm, in-
-place changes, training only, revert, copies, compile, containers and caches."""
+"""CheckpointModule / apply_checkpoint: one region, exact and transparent: names, state, dropout and BatchNorm,
+in-place changes, training only, revert, copies, compile, containers and caches."""
 
 import copy
 import io
