@@ -150,7 +150,7 @@ def _processes_fitting(device: torch.device, room: int | None) -> int | None:
     """How many processes of a row of ``room`` bytes each the device's free memory holds; None:
     no limit (not CUDA, or no ``room``). What this process's allocator keeps cached and unused
     counts as free: it is handed back first (a large model's cached blocks can be a process's
-    worth: tests/test_measure.py's CUDA test)."""
+    worth: tests/test_measure_processes.py's CUDA test)."""
     if device.type != "cuda" or room is None:
         return None
     clean_device(device)

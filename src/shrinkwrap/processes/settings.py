@@ -46,7 +46,7 @@ def _take_matmul_settings(settings: dict) -> None:
     """Take ``settings`` (:func:`_matmul_settings`), each only where it differs, through the API
     the process that sent them used. Setting float32 precision to the "highest" it already was
     turns torch's cache key "none" into "ieee", and every graph a process ahead compiled would
-    then miss the caches in the process that sent it (tests/test_measure.py checks the key)."""
+    then miss the caches in the process that sent it (tests/test_measure_processes.py checks the key)."""
     matmul, mine = torch.backends.cuda.matmul, _matmul_settings()
     if "legacy" in settings:
         precision = ("legacy", "fp32_precision")
@@ -95,7 +95,7 @@ def take_module_order(order: list[str] | None) -> None:
     ``__mp_main__``, the main script under its second name, which a spawned process puts before
     torch's own modules. A main script that imports torch would otherwise make every key of a
     process differ from its parent's, and the parent would find none of the graphs compiled ahead
-    (tests/test_measure.py checks both orders). The parent's own ``sys.modules`` is left as it is."""
+    (tests/test_measure_processes.py checks both orders). The parent's own ``sys.modules`` is left as it is."""
     if order is None:
         return
     rank = {name: i for i, name in enumerate(order)}
