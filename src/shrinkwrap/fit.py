@@ -18,7 +18,7 @@ PyTorch's allocator (NCCL's buffers) are not under the cap: a card needs them be
 Example::
 
     >>> f = sw.fit(torchvision.models.resnet18, torch.randn(128, 3, 224, 224), "autocast(torch.bfloat16)")
-    >>> print(f)   # fits in 1843 MiB: 8 iterations trained under a 1843 MiB cap, not under 1827 MiB (...)
+    >>> print(f)   # fits in N MiB: 8 iterations trained under an N MiB cap, not under the next cap below (...)
 """
 
 from __future__ import annotations
