@@ -21,23 +21,30 @@ from typing import Any
 # --- torch: the compiler's configuration ----------------------------------------------------------
 
 
+def functorch_config() -> types.ModuleType:
+    """AOTAutograd's configuration module (``torch._functorch.config``): its activation memory
+    budget, and the settings its caches key on; no public API exports it. Checked on torch 2.11
+    and 2.13."""
+    import torch._functorch.config as config
+
+    return config
+
+
 def compiler_configs() -> tuple[types.ModuleType, types.ModuleType]:
     """inductor's and AOTAutograd's configuration modules (``torch._inductor.config``,
-    ``torch._functorch.config``): a spawned process takes the settings the compiler's caches key
-    on from its parent through their ``save_config_portable``/``load_config``; no public API
-    exports them. Checked on torch 2.11 and 2.13."""
-    import torch._functorch.config as functorch_config
+    :func:`functorch_config`): a spawned process takes the settings the compiler's caches key on
+    from its parent through their ``save_config_portable``/``load_config``. Checked on torch 2.11
+    and 2.13."""
     import torch._inductor.config as inductor_config
 
-    return inductor_config, functorch_config
+    return inductor_config, functorch_config()
 
 
 def aot_autograd_cache_counts() -> tuple[int, int]:
     """AOTAutograd's cache hits and misses so far in this process (``torch._dynamo.utils.counters``):
     the only record of whether a graph compiled from the on-disk caches. Checked on torch 2.11 and
     2.13."""
-    from torch._dynamo.utils import counters
-
+    counters = dynamo_counters()
     return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
 
 

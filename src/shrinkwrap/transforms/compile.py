@@ -66,7 +66,7 @@ class _Budgeted:
         self.__name__ = f"{backend}[memory_budget={budget}]"  # torch.compile names the backend by it
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        functorch_config = _compat.compiler_configs()[1]
+        functorch_config = _compat.functorch_config()
         with functorch_config.patch(activation_memory_budget=self.key[-1]):
             return self.inner(gm, example_inputs)
 
