@@ -390,15 +390,14 @@ class Report:
     def plot(self, path: str) -> None:
         """Write a PNG of memory over one step, one line per row (baseline against the plan).
 
-        Needs matplotlib: ``pip install 'shrinkwrap[plot]'``.
+        Needs matplotlib (``pip install matplotlib``).
         """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError:
             raise ImportError(
-                "shrinkwrap: plotting needs matplotlib; install it with: pip install 'shrinkwrap[plot]' "
-                "(or pip install matplotlib)"
+                "shrinkwrap: plotting needs matplotlib; install it with: pip install matplotlib"
             ) from None
         fig = Figure(figsize=(9, 4.5))
         FigureCanvasAgg(fig)
