@@ -196,3 +196,11 @@ def test_the_model_read_for_its_config_is_built_on_the_meta_device(monkeypatch):
 def test_a_factory_that_declares_its_vocabulary_gets_tokens_without_the_option():
     _, batch = load_model(f"{__name__}:declared_lm", None, 3)
     assert batch["input_ids"].shape == (3, 12) and batch["input_ids"].max() < 50
+
+
+def test_a_model_file_whose_module_name_is_taken_is_refused(capsys, tmp_path, monkeypatch, nothing_measured):
+    # json.py beside the user's code: `import json` finds the standard library's, not the file
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "json.py").write_text("import torch.nn as nn\n\ndef make():\n    return nn.Linear(3, 2)\n")
+    one_error_line(capsys, ["profile", f"{tmp_path}/json.py:make", "--batch", "2", "--input", "3", *FAST],
+                   f"the module name 'json' is taken by {sys.modules['json'].__file__}")

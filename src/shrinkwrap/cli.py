@@ -131,8 +131,8 @@ def _vocabulary(text: str) -> int:
         return _positive(text)
     except argparse.ArgumentTypeError:
         hint = "; a model named after --tokens is read as its value: put the model first" if ":" in text else ""
-        raise argparse.ArgumentTypeError(f"expected the vocabulary size, a positive whole number such as 32000 (--tokens "
-                                         f"alone: the model's config.vocab_size), got {text!r}{hint}") from None
+        raise argparse.ArgumentTypeError(f"expected the vocabulary size, a positive whole number such as 32000 "
+                                         f"(--tokens alone: the model's config.vocab_size), got {text!r}{hint}") from None
 
 
 def _compile_text(text: str) -> str:
@@ -355,7 +355,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"timed training iterations per row (default {iterations})")
         p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': print it instead of the table)")
         p.add_argument("--markdown", action="store_true", help="print a markdown table instead of the aligned one")
-        p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over one step: .png, .pdf, .svg, ... (needs matplotlib)")
+        p.add_argument("--plot", metavar="FILE.png",
+                       help="write a plot of memory over one step: .png, .pdf, .svg, ... (needs matplotlib)")
         p.add_argument("--snapshot", metavar="FILE", help="CUDA: write a memory snapshot per row (pytorch.org/memory_viz)")
 
     demo = sub.add_parser("demo", help="measure a plan on the built-in EfficientNet-style model (no downloads)")
@@ -396,7 +397,8 @@ def _parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
     model_args(fit)
     fit.add_argument("--budget", type=_budget, help="e.g. 4GiB, 500MB, or 0.5 (a fraction of the baseline)")
-    fit.add_argument("--max-slowdown", type=_slowdown, help="the most step time allowed, as a multiple of the baseline's (above 0; 1.2: at most 20%% slower)")
+    fit.add_argument("--max-slowdown", type=_slowdown,
+                     help="the most step time allowed, as a multiple of the baseline's (above 0; 1.2: at most 20%% slower)")
     fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
     fit.add_argument("--compile", type=_compile_text, nargs="?", const=True, metavar="STEP",
                      help="also try the plans compiled (with compile(), or the compile step given, "
@@ -436,7 +438,8 @@ def _joined(argv: list[str]) -> list[str]:
     out: list[str] = []
     for tok in argv:
         option = out[-1] if out else ""
-        if option.startswith("--") and option != "--" and "=" not in option and re.match(r"-(\.?\d|inf|nan)", tok, re.I):
+        valued = option.startswith("--") and option != "--" and "=" not in option
+        if valued and re.match(r"-(\.?\d|inf|nan)", tok, re.I):
             out[-1] = f"{out[-1]}={tok}"
         else:
             out.append(tok)

@@ -292,6 +292,7 @@ def _user_module(where: str, spec: str) -> Any:
     """The module a ``package.module:factory`` or ``path/to/file.py:factory`` spec names. The
     current folder is searched first, as ``python -m`` does; a file's folder is added to the path,
     so that its module imports by name in the fresh processes that measure each row."""
+    path = None
     if where.endswith(".py") or os.sep in where or "/" in where:
         path = os.path.abspath(where if where.endswith(".py") else where + ".py")
         if not os.path.isfile(path):
@@ -303,8 +304,15 @@ def _user_module(where: str, spec: str) -> Any:
     elif os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return importlib.import_module(where)
+        module = importlib.import_module(where)
     except ImportError as exc:
         raise CliError(f"cannot import {where!r} for model {spec!r}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the user's module raised on import: one line, not a traceback
         raise CliError(f"importing {where!r} for model {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    found = getattr(module, "__file__", None)
+    if path and (not found or os.path.realpath(found) != os.path.realpath(path)):
+        # The name is taken (json.py, test.py): the rows import the module by name, so the file is
+        # renamed, not loaded by path here alone.
+        raise CliError(f"model {spec!r}: the module name {where!r} is taken by {found or 'a built-in module'}, so "
+                       f"{path} cannot be imported by it; rename the file")
+    return module
