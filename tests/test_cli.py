@@ -289,7 +289,8 @@ def test_a_torchvision_that_cannot_be_imported_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli_models.importlib, "import_module", broken)
     one_error_line(capsys, ["profile", "torchvision:resnet18", "--batch", "2", *FAST],
                    "torchvision is installed but cannot be imported (RuntimeError: operator torchvision::nms does "
-                   "not exist)")
+                   f"not exist); built for another torch than {torch.__version__}? install the torchvision built for "
+                   f"torch {torch.__version__}: pip install '{matching_torchvision()}'")
 
 
 def test_a_model_file_by_path_and_a_module_in_the_current_folder_load(tmp_path, capsys, monkeypatch):
