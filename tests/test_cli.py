@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shrinkwrap.cli import main
+from shrinkwrap.cli import main, matching_torchvision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,7 +146,29 @@ def test_a_rank_is_started_without_nproc(argv, expected):
 def test_missing_optional_package_names_the_pip_command(capsys, package):
     if importlib.util.find_spec(package) is not None:
         pytest.skip(f"{package} is installed")
-    one_error_line(capsys, ["profile", f"{package}:x", "--batch", "1", "--plan", ""], f"pip install {package}")
+    # torchvision pinned to this torch's (an unpinned one may not import beside it); timm brings one
+    vision = f"pip install '{matching_torchvision()}'"
+    expected = {"torchvision": vision, "timm": vision, "transformers": "pip install transformers"}[package]
+    one_error_line(capsys, ["profile", f"{package}:x", "--batch", "1", "--plan", ""], expected)
+    if package == "timm":
+        one_error_line(capsys, ["profile", "timm:x", "--batch", "1"], "&& pip install timm")
+
+
+@pytest.mark.parametrize("torch_version, requirement", [
+    ("2.4.1+cu121", "torchvision==0.19.*"), ("2.11.0", "torchvision==0.26.*"), ("2.13.0+cpu", "torchvision==0.28.*"),
+    ("2.13.0.dev20260101+cpu", "torchvision==0.28.*"), ("1.13.1", "torchvision"),
+])
+def test_matching_torchvision_pairs_torch_2_x_with_0_x_plus_15(torch_version, requirement):
+    assert matching_torchvision(torch_version) == requirement
+
+
+def test_the_torchvision_advice_names_the_index_this_torch_came_from(monkeypatch):
+    import shrinkwrap.cli_models as cli_models
+
+    for version, index in (("2.13.0+cpu", " --index-url https://download.pytorch.org/whl/cpu"),
+                           ("2.13.0+cu126", " --index-url https://download.pytorch.org/whl/cu126"), ("2.13.0", "")):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert cli_models._install("torchvision").endswith(f"pip install 'torchvision==0.28.*'{index}")
 
 
 def test_unknown_torchvision_model(capsys):
@@ -164,19 +186,19 @@ def test_torchvision_model_runs(capsys):
                                                    ("BertConfig", "BertForSequenceClassification", "1 ")])
 def test_transformers_config_class_runs(capsys, monkeypatch, config, head, labels):
     transformers = pytest.importorskip("transformers")
-    import shrinkwrap.cli as cli
+    import shrinkwrap.cli_models as cli_models
 
     small = dict(GPT2Config=dict(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64),
                  BertConfig=dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                  vocab_size=128, max_position_embeddings=64))
     # The default configs build 100M-parameter models; the path under test is the same for a small one.
-    monkeypatch.setattr(cli, "_hf_config", lambda name: getattr(transformers, name)(**small[name]))
+    monkeypatch.setattr(cli_models, "_hf_config", lambda name: getattr(transformers, name)(**small[name]))
     argv = ["profile", f"transformers:{config}", "--batch", "1", "--input", "16", "--plan", "", "--json", "-", *FAST]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == f"transformers:{config}" and f"input_ids 1x16 int64, labels {labels}" in data["batch"]
     assert any(e["module"].startswith(("transformer.", "bert.")) for e in data["rows"][0]["top_modules"])
-    assert type(cli._transformers(config)).__name__ == head
+    assert type(cli_models._transformers(config)).__name__ == head
 
 
 def test_python_dash_m_runs_the_command():
@@ -254,20 +276,21 @@ def test_an_output_into_a_missing_folder_is_refused_before_measuring(capsys, opt
 
 
 def test_a_torchvision_that_cannot_be_imported_is_one_line(capsys, monkeypatch):
-    import shrinkwrap.cli as cli
+    import shrinkwrap.cli_models as cli_models
 
-    real = cli.importlib.import_module
+    real = cli_models.importlib.import_module
 
     def broken(name, *a, **k):
         if name == "torchvision":
             raise RuntimeError("operator torchvision::nms does not exist")
         return real(name, *a, **k)
 
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: object())
-    monkeypatch.setattr(cli.importlib, "import_module", broken)
+    monkeypatch.setattr(cli_models.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(cli_models.importlib, "import_module", broken)
     one_error_line(capsys, ["profile", "torchvision:resnet18", "--batch", "2", *FAST],
                    "torchvision is installed but cannot be imported (RuntimeError: operator torchvision::nms does "
-                   "not exist)")
+                   f"not exist); built for another torch than {torch.__version__}? install the torchvision built for "
+                   f"torch {torch.__version__}: pip install '{matching_torchvision()}'")
 
 
 def test_a_model_file_by_path_and_a_module_in_the_current_folder_load(tmp_path, capsys, monkeypatch):

@@ -21,7 +21,7 @@ LAYERS = [
     {"fit"},
     {"compare"},
     {"autoplan"},
-    {"cli", "__main__"},
+    {"cli", "cli_models", "__main__"},
 ]
 
 

@@ -3,9 +3,9 @@
 ``shrinkwrap demo`` measures a plan on the built-in EfficientNet-style model (no downloads; seconds
 on a laptop CPU, CUDA when present). ``shrinkwrap profile`` measures a plan on a model named as
 ``torchvision:NAME``, ``timm:NAME``, ``transformers:CONFIGCLASS`` (random init from the config) or
-``package.module:factory``; without ``--plan`` it profiles the model as it is (the baseline and the
-modules that keep the most). Bad input, and a model factory that raises, get one line on stderr and
-exit status 2.
+``package.module:factory`` (with ``--tokens``, a language model: a batch of token ids); without
+``--plan`` it profiles the model as it is (the baseline and the modules that keep the most). Bad
+input, and a model factory that raises, get one line on stderr and exit status 2.
 
 ``shrinkwrap profile ... --nproc N --fsdp`` (or ``--ddp``) measures on N ranks of this machine: it
 starts them through ``torch.distributed.run``, each applies the plan, then shards its model with
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import functools
-import importlib
-import importlib.util
 import json
+import math
 import os
+import re
 import sys
 import traceback
 from typing import Any, Callable, NoReturn
@@ -42,185 +41,56 @@ import torch
 import torch.nn as nn
 
 from . import parallel
+from .cli_models import CliError, load_model, matching_torchvision, need
 from .compare import Parallelize, plan_report
 from .measuring.ranks import rank_and_world
 from .measuring.step import resolve_device
 from .plan import Plan
-from .select import got
 from .step import step_class
 
-_PIP = {"torchvision": "torchvision", "timm": "timm", "transformers": "transformers", "matplotlib": "'shrinkwrap[plot]'"}
+__all__ = ["CliError", "demo_plan", "load_model", "main", "matching_torchvision"]
+
+# What matplotlib's savefig writes (its default canvases); any other ending is refused before measuring.
+_PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf", "raw", "rgba")
+_OUTPUTS = (("json", "report.json"), ("plot", "memory.png"), ("snapshot", "memory.pickle"))
 
 
-class CliError(Exception):
-    """Bad command-line input; the message is the one line the user sees."""
-
-
-def _need(package: str) -> Any:
-    if importlib.util.find_spec(package) is None:
-        raise CliError(f"{package} is not installed; install it with: pip install {_PIP.get(package, package)}")
-    try:
-        return importlib.import_module(package)
-    except Exception as exc:  # noqa: BLE001 - a broken install (torchvision built for another torch) is one line
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise CliError(f"{package} is installed but cannot be imported ({type(exc).__name__}: {first}); a "
-                       f"{package} built for another torch than {torch.__version__}? Install the matching one "
-                       f"(pip install 'shrinkwrap[vision]' keeps torchvision matched)") from exc
-
-
-def _unknown(kind: str, name: str, known: list[str]) -> CliError:
-    close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
-    return CliError(f"unknown {kind} {name!r}" + (f"; close names: {', '.join(close)}" if close else ""))
-
-
-# -- model families: module-level functions, so a row can be sent to a subprocess -----------
-
-
-def _torchvision(name: str) -> nn.Module:
-    return importlib.import_module("torchvision").models.get_model(name, weights=None)
-
-
-def _timm(name: str) -> nn.Module:
-    return importlib.import_module("timm").create_model(name, pretrained=False)
-
-
-def _hf_config(name: str) -> Any:
-    transformers = importlib.import_module("transformers")
-    return getattr(transformers, name)()
-
-
-def _hf_model_class(config: Any) -> Any:
-    """GPT-style decoders get their LM head; encoders (BERT) a sequence-classification head."""
-    transformers = importlib.import_module("transformers")
-    auto = transformers.models.auto.modeling_auto
-    kind = config.model_type
-    if kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    if kind in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
-        return transformers.AutoModelForSequenceClassification
-    return transformers.AutoModel
-
-
-def _transformers(name: str) -> nn.Module:
-    config = _hf_config(name)
-    return _hf_model_class(config).from_config(config)
-
-
-class _Built:
-    """The model factory of a spec. What goes wrong inside it is the user's model, not shrinkwrap:
-    it reaches the user as one line naming the spec and the exception, not as a traceback through
-    the measuring code. Picklable, so a row can be sent to a subprocess."""
-
-    def __init__(self, spec: str, factory: Callable[[], nn.Module]) -> None:
-        self.spec, self.factory = spec, factory
-        self.__name__ = getattr(factory, "__name__", spec)
-
-    def __call__(self) -> nn.Module:
-        try:
-            model = self.factory()
-        except Exception as exc:
-            raise CliError(f"model {self.spec} raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(model, nn.Module):
-            raise CliError(f"model {self.spec} returned {got(model)}, not an nn.Module")
-        return model
-
-
-def load_model(spec: str, input_shape: tuple[int, ...] | None, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
-    """A picklable factory for ``spec`` and a random batch for it (on the CPU, seeded).
-
-    Example::
-
-        >>> make, batch = load_model("torchvision:resnet18", None, 8)   # batch: 8x3x224x224
-    """
-    factory, batch = _factory_and_batch(spec, input_shape, batch_size)
-    return _Built(spec, factory), batch
-
-
-def _factory_and_batch(spec: str, input_shape: tuple[int, ...] | None, batch_size: int) -> tuple[Callable[[], nn.Module], Any]:
-    family, sep, name = spec.partition(":")
-    if not sep or not name:
-        raise CliError(f"cannot read model {spec!r}; write torchvision:NAME, timm:NAME, "
-                       "transformers:CONFIGCLASS or package.module:factory")
-    gen = torch.Generator().manual_seed(0)
-    images = lambda shape: torch.randn(batch_size, *(input_shape or shape), generator=gen)  # noqa: E731
-    if family == "torchvision":
-        tv = _need("torchvision")
-        if name not in tv.models.list_models():
-            raise _unknown("torchvision model", name, tv.models.list_models())
-        return functools.partial(_torchvision, name), images((3, 224, 224))
-    if family == "timm":
-        timm = _need("timm")
-        if not timm.is_model(name):
-            raise _unknown("timm model", name, timm.list_models())
-        cfg = getattr(timm.models, "get_pretrained_cfg", lambda n: None)(name)  # older timm: 3x224x224
-        return functools.partial(_timm, name), images(tuple(getattr(cfg, "input_size", None) or (3, 224, 224)))
-    if family == "transformers":
-        transformers = _need("transformers")
-        cls = getattr(transformers, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
-            known = [n for n in dir(transformers) if n.endswith("Config")]
-            raise _unknown("transformers config class", name, known)
-        config = _hf_config(name)
-        longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
-        length = input_shape[0] if input_shape else min(longest, 512)
-        ids = torch.randint(0, config.vocab_size, (batch_size, length), generator=gen)
-        seq_cls = _hf_model_class(config) is transformers.AutoModelForSequenceClassification
-        labels = torch.randint(0, config.num_labels, (batch_size,), generator=gen) if seq_cls else ids
-        return functools.partial(_transformers, name), {"input_ids": ids, "labels": labels}
-    module = _user_module(family, spec)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise CliError(f"{family} has no callable {name!r} to build the model")
-    shape = input_shape or getattr(factory, "input_shape", None)
-    if shape is None:
-        raise CliError(f"give one sample's shape for {spec}, e.g. --input 3,224,224")
-    return factory, images(tuple(shape))
-
-
-def _user_module(where: str, spec: str) -> Any:
-    """The module a ``package.module:factory`` or ``path/to/file.py:factory`` spec names. The
-    current folder is searched first, as ``python -m`` does; a file's folder is added to the path,
-    so that its module imports by name in the fresh processes that measure each row."""
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        path = os.path.abspath(where if where.endswith(".py") else where + ".py")
-        if not os.path.isfile(path):
-            raise CliError(f"no file {where!r} for model {spec!r}")
-        folder, name = os.path.split(path)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        where = name.removesuffix(".py")
-    elif os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(where)
-    except ImportError as exc:
-        raise CliError(f"cannot import {where!r} for model {spec!r}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module raised on import: one line, not a traceback
-        raise CliError(f"importing {where!r} for model {spec!r} raised {type(exc).__name__}: {exc}") from exc
-
-
-def _writable(path: str | None, what: str) -> None:
-    """Raise if ``path`` cannot be written (its folder missing): before minutes of measuring."""
-    if not path or path == "-":
+def _writable(path: str | None, option: str, example: str) -> None:
+    """Raise if ``path`` cannot be written (no name, a folder, its folder missing or read-only):
+    before minutes of measuring. ``-`` is standard output, for ``--json`` only."""
+    if path is None or (path == "-" and option == "--json"):
         return
+    if not path.strip() or path == "-":
+        stdout = " ('-': print it)" if option == "--json" else ""
+        raise CliError(f"{option} needs a file name, e.g. {option} {example}{stdout}")
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path} is a folder; name a file in it, e.g. {option} {os.path.join(path, example)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise CliError(f"{what} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise CliError(f"{what} {path}: the folder {folder} is not writable")
+        raise CliError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        which = "the file" if os.path.exists(path) else f"the folder {folder}"
+        raise CliError(f"{option} {path}: {which} is not writable")
 
 
 # -- running ------------------------------------------------------------------------------
 
 
 def _device(text: str | None) -> str:
+    """``--device`` read now: cpu or cuda (the GPU it names present), not a device met after minutes."""
     try:
-        return str(resolve_device(text))
+        device = resolve_device(text)
     except RuntimeError as exc:
         if text and text.startswith("cuda") and not torch.cuda.is_available():
             raise CliError(f"--device {text} asked, but this torch ({torch.__version__}) sees no CUDA GPU; "
                            "use --device cpu, or install a CUDA build of torch") from None
         raise CliError(f"unknown device {text!r}; use cpu or cuda") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {text}: shrinkwrap measures on cpu or cuda")
+    if device.type == "cuda" and ":" in (text or "") and device.index >= torch.cuda.device_count():
+        raise CliError(f"--device {text}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                       f"cuda:{torch.cuda.device_count() - 1}")
+    return str(device)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -243,15 +113,57 @@ def _positive(text: str) -> int:
     return value
 
 
+def _slowdown(text: str) -> float:
+    """``--max-slowdown``: a multiple of the baseline's step time, a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected the step time allowed as a multiple of the baseline's, a number "
+                                         f"above 0 such as 1.2 (at most 20% slower), got {text!r}")
+    return value
+
+
+def _vocabulary(text: str) -> int:
+    """``--tokens V``: the vocabulary size, a positive whole number."""
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        hint = "; a model named after --tokens is read as its value: put the model first" if ":" in text else ""
+        raise argparse.ArgumentTypeError(f"expected the vocabulary size, a positive whole number such as 32000 "
+                                         f"(--tokens alone: the model's config.vocab_size), got {text!r}{hint}") from None
+
+
+def _compile_text(text: str) -> str:
+    """``--compile STEP``: one compile step's text, read now, not after the baseline is measured."""
+    try:
+        plan = Plan.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("shrinkwrap: ")) from None
+    if len(plan) != 1 or plan.steps[0].name != "compile":
+        raise argparse.ArgumentTypeError(f"expected a compile step such as \"compile(mode='max-autotune')\", "
+                                         f"got {text!r}")
+    return text
+
+
 def _check_outputs(args: argparse.Namespace, device: str) -> None:
-    """What can be checked of the outputs before minutes of measuring: their folders, the plot's
-    matplotlib, a snapshot's GPU."""
+    """What can be checked of the outputs before minutes of measuring: their names and folders,
+    the plot's format and matplotlib, a snapshot's GPU, options that would be dropped."""
     if args.snapshot and not device.startswith("cuda"):
         raise CliError("--snapshot records the CUDA allocator; it needs a GPU (--device cuda)")
+    if args.json == "-" and args.markdown:
+        raise CliError("--json - prints JSON in place of the table, and --markdown prints the table as markdown: "
+                       "give one (--json FILE --markdown writes the JSON and prints markdown)")
+    for name, example in _OUTPUTS:
+        _writable(getattr(args, name), f"--{name}", example)
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise CliError(f"--json and --plot both name {args.plot}; give each its own file")
     if args.plot:
-        _need("matplotlib")
-    for path, what in ((args.json, "--json"), (args.plot, "--plot"), (args.snapshot, "--snapshot")):
-        _writable(path, what)
+        if os.path.splitext(args.plot)[1].lstrip(".").lower() not in _PLOT_FORMATS:
+            raise CliError(f"--plot {args.plot}: end the name in a format matplotlib writes "
+                           f"({', '.join(_PLOT_FORMATS)}), e.g. memory.png")
+        need("matplotlib")
 
 
 def _run(args: argparse.Namespace, factory: Callable[[], nn.Module], batch: Any, plan: Plan, name: str,
@@ -299,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     plan = Plan.parse(args.plan)  # no --plan: the model as it is, its baseline and per-module table
-    factory, batch = load_model(args.model, args.input, args.batch)
+    factory, batch = load_model(args.model, args.input, args.batch, args.tokens)
     if parallel.launched() and (args.fsdp or args.ddp):  # a rank this command started (torchrun's
         return _rank(args, factory, batch, plan)           # variables alone may be inherited)
     if args.fsdp or args.ddp or args.nproc:
@@ -377,8 +289,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from .measuring.estimate import estimate
 
     plan = Plan.parse(args.plan)
-    _writable(args.json, "--json")
-    factory, batch = load_model(args.model, args.input, args.batch)
+    _writable(args.json, "--json", "estimate.json")
+    factory, batch = load_model(args.model, args.input, args.batch, args.tokens)
     est = estimate(factory, batch, plan)
     if args.json:
         data = {"schema": "shrinkwrap.estimate/1", "model": args.model, "plan": str(plan), "batch": args.batch,
@@ -404,8 +316,10 @@ def _fit(args: argparse.Namespace) -> int:
         raise CliError("fit takes no --snapshot; profile the plan it prints to get one")
     if args.budget is None and args.max_slowdown is None:
         raise CliError("fit needs --budget (e.g. 8GiB, or 0.5 of the baseline), --max-slowdown (e.g. 1.2), or both")
+    if args.maximize == "batch" and args.budget is None:
+        raise CliError("--maximize batch finds the largest batch within a budget: add --budget (e.g. 8GiB)")
     _check_outputs(args, device)
-    factory, batch = load_model(args.model, args.input, args.batch)
+    factory, batch = load_model(args.model, args.input, args.batch, args.tokens)
     plan, report = autoplan(factory, batch, budget=args.budget, max_slowdown=args.max_slowdown,
                             allow_lossy=args.allow_lossy, maximize=args.maximize, iterations=args.iterations,
                             device=device, progress=not args.quiet, compile=args.compile or False)
@@ -441,7 +355,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"timed training iterations per row (default {iterations})")
         p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': print it instead of the table)")
         p.add_argument("--markdown", action="store_true", help="print a markdown table instead of the aligned one")
-        p.add_argument("--plot", metavar="FILE.png", help="write a PNG of memory over one step (needs matplotlib)")
+        p.add_argument("--plot", metavar="FILE.png",
+                       help="write a plot of memory over one step: .png, .pdf, .svg, ... (needs matplotlib)")
         p.add_argument("--snapshot", metavar="FILE", help="CUDA: write a memory snapshot per row (pytorch.org/memory_viz)")
 
     demo = sub.add_parser("demo", help="measure a plan on the built-in EfficientNet-style model (no downloads)")
@@ -453,6 +368,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("model", help="torchvision:NAME, timm:NAME, transformers:CONFIGCLASS or package.module:factory")
         p.add_argument("--batch", type=_positive, required=True, help="batch size")
         p.add_argument("--input", type=_shape, help="one sample's shape, e.g. 3,224,224 (token models: the sequence length)")
+        p.add_argument("--tokens", type=_vocabulary, nargs="?", const=True, metavar="V",
+                       help="your own model is a language model: a batch of input_ids and labels, vocabulary V "
+                            "(alone: the model's config.vocab_size), --input the sequence length")
 
     prof = sub.add_parser("profile", help="measure a plan on a torchvision, timm, transformers or your own model")
     model_args(prof)
@@ -479,9 +397,10 @@ def _parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit", help="find, by measuring, the plan that fits a memory budget at the highest speed")
     model_args(fit)
     fit.add_argument("--budget", type=_budget, help="e.g. 4GiB, 500MB, or 0.5 (a fraction of the baseline)")
-    fit.add_argument("--max-slowdown", type=float, help="the most step time allowed, as a multiple of the baseline's")
+    fit.add_argument("--max-slowdown", type=_slowdown,
+                     help="the most step time allowed, as a multiple of the baseline's (above 0; 1.2: at most 20%% slower)")
     fit.add_argument("--allow-lossy", action="store_true", help="also try lossy steps (bfloat16 autocast)")
-    fit.add_argument("--compile", nargs="?", const=True, metavar="STEP",
+    fit.add_argument("--compile", type=_compile_text, nargs="?", const=True, metavar="STEP",
                      help="also try the plans compiled (with compile(), or the compile step given, "
                           "e.g. \"compile(mode='max-autotune')\")")
     fit.add_argument("--maximize", choices=("speed", "batch"), default="speed",
@@ -494,11 +413,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shrinkwrap`` command; returns the exit status: 0, or 2 after one
     ``shrinkwrap: error:`` line on stderr (the whole traceback with ``--debug``)."""
+    argv = _joined(list(sys.argv[1:] if argv is None else argv))
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or argparse's error line: their status
         return int(exc.code or 0)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc starts on each rank
+    args.argv = argv  # what --nproc starts on each rank
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -509,6 +429,21 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"shrinkwrap: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _joined(argv: list[str]) -> list[str]:
+    """``--input -3,32,32`` as ``--input=-3,32,32``: argparse takes a value that starts with ``-``
+    for an option unless it reads as a plain negative number, and answers "expected one argument"
+    where the option's own check would name what is wrong. No option of the command starts ``-<digit>``."""
+    out: list[str] = []
+    for tok in argv:
+        option = out[-1] if out else ""
+        valued = option.startswith("--") and option != "--" and "=" not in option
+        if valued and re.match(r"-(\.?\d|inf|nan)", tok, re.I):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
 
 
 def _one_line(exc: BaseException) -> str:
