@@ -161,6 +161,24 @@ def test_an_input_longer_than_the_model_s_positions_fails_as_the_real_run_does()
         sw.estimate(functools.partial(gpt2, 128), {"input_ids": ids, "labels": ids})
 
 
+def test_any_embedding_s_range_is_checked_where_the_model_computes_its_indices():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(100, 8), nn.Embedding(16, 8)
+
+        def forward(self, ids):
+            where = torch.arange(ids.shape[1]).expand_as(ids) + 2  # two rows kept for marks
+            ids.clamp_(max=99)  # in place on the batch, as some tokenizer-side code does
+            return self.tokens(ids) + self.positions(where)
+
+    ids = torch.full((2, 14), 150)
+    assert sw.estimate(Positions, ids).peak > 0  # positions 2..15 of 16
+    assert (ids == 150).all()  # the batch comes back as it was given
+    with pytest.raises(IndexError, match=r"'positions' has 16 rows, and an index the model computes .* reaches row 16"):
+        sw.estimate(Positions, torch.full((2, 15), 150))
+
+
 def test_the_command_refuses_an_input_the_model_cannot_take(capsys):
     pytest.importorskip("transformers")
     assert main(["estimate", "transformers:GPT2Config", "--batch", "1", "--input", "4096"]) == 2

@@ -5,8 +5,15 @@ fake tensor (``torch._subclasses.fake_tensor``: shape, dtype and no data) in pla
 parameter, buffer and input, and runs two training iterations on them: the second, with the
 optimizer's state made, under torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``),
 which counts the bytes alive at every operation, by kind: parameters, buffers, gradients,
-optimizer state, activations and temporaries. Seconds for a bench model, no GPU, no weights'
-memory besides the model's own construction.
+optimizer state, activations and temporaries. The estimate says where in the iteration its peak
+falls (the phase, the innermost module running) and what each term holds then: a language
+model's peak often comes at the start of backward, the loss's gradient over the vocabulary, when
+no parameter's gradient exists yet. Seconds for a bench model, no GPU, no weights' memory besides
+the model's own construction.
+
+Fake tensors check no index: the first iteration runs under :class:`~.indices.KnownIndices`, which
+raises where an embedding is indexed past its rows, as the real run would, rather than answering
+for an input the model cannot take.
 
 What the CPU would do otherwise than the GPU is made the GPU's where it matters to memory:
 attention runs as a fused kernel keeps it (output and log-sum-exp, not the probabilities: what
@@ -71,8 +78,8 @@ class Estimate:
     Example::
 
         >>> est = sw.estimate(make_model, batch)
-        >>> est.moment, est.breakdown()["gradients"]
-        ('in backward, at layers.3', 25165824)
+        >>> est.moment, est.holds()["gradients"]
+        ('in the optimizer step', "every trained parameter's, which the step reads")
     """
 
     peak: int
@@ -199,7 +206,7 @@ def _fake(model: nn.Module, mode: Any) -> list[tuple[torch.Tensor, torch.Tensor,
                     f = mode.from_tensor(t.detach())
                     memo[id(t)] = nn.Parameter(f, t.requires_grad) if isinstance(t, nn.Parameter) else f
                     if not (t.is_floating_point() or t.is_complex()):
-                        known.append((memo[id(t)], t.detach(), False))
+                        known.append((memo[id(t)], t, False))
                 table[key] = memo[id(t)]
     return known
 
@@ -272,9 +279,20 @@ def _notes(model: nn.Module) -> list[str]:
 def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, plan: PlanLike = (),
              loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None) -> Estimate:
     """Predict the CUDA peak of a training iteration of ``plan`` on the model, on the CPU (see the
-    module docstring). ``model_or_factory``: a function returning a fresh model, or a model, which
-    is copied; ``batch``, ``loss_fn``, ``optimizer`` as :func:`shrinkwrap.measure` (the default is
-    AdamW in its multi-tensor form, as on CUDA).
+    module docstring).
+
+    Args:
+        model_or_factory: a function returning a fresh model, or a model, which is copied.
+        batch, plan, loss_fn, optimizer: as :func:`shrinkwrap.measure` (the default optimizer is
+            AdamW in its multi-tensor form, as on CUDA).
+
+    Returns:
+        An :class:`Estimate`: the peak's bytes by term, where in the iteration it falls, and what
+        each term holds then.
+
+    Raises:
+        IndexError: where the batch makes the model index an embedding past its rows (an input
+            longer than its positions, a token id past its vocabulary), as the real run would.
 
     Example::
 

@@ -49,7 +49,10 @@ class KnownIndices(_compat.dispatch_mode()):
         self.values: Any = WeakTensorKeyDictionary()  # fake tensor -> (its real value, whether the batch made it)
         for fake, real, from_batch in seeds:
             if _integral(fake) and fake.shape == real.shape:
-                self.values[fake] = (real, from_batch)
+                # A copy: an operation in place on a known tensor is made on its value too, and the
+                # user's batch must come back as it was given.
+                with _compat.no_dispatch_modes():
+                    self.values[fake] = (real.detach().clone(), from_batch)
         self.names = names
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
