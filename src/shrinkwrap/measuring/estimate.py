@@ -136,7 +136,9 @@ class Estimate:
                      "those not yet stepped: the step in backward frees each once its bucket is stepped" if bw else
                      "those backward has made so far")
         else:
-            grads = "none: the step in backward freed each" if bw else "every trained parameter's, which the step reads"
+            grads = ("every trained parameter's, which the step reads" if not bw else
+                     "those backward left in .grad, which the handle's step steps" if self.gradients else
+                     "none: the step in backward freed each")
         acts = {"forward": "what the forward has made and keeps: tensors saved for backward, the running operation's",
                 "loss": "what the forward saved for backward, and the loss's tensors",
                 "backward": "what the forward saved for backward that backward has not yet freed "
