@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -66,8 +67,123 @@ def test_the_command_prints_and_writes_json(capsys, tmp_path):
                  "--json", str(tmp_path / "e.json")]) == 0
     out = capsys.readouterr().out
     assert "estimated CUDA peak of a training iteration" in out and "plan: swish()" in out
+    for term in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "output", "batch"):
+        assert f"\n  {term} " in out
     data = json.loads((tmp_path / "e.json").read_text())
-    assert data["schema"] == "shrinkwrap.estimate/1" and data["peak_mib"] > data["parameters_mib"] > 0
+    assert data["schema"] == "shrinkwrap.estimate/2" and data["peak_mib"] > data["parameters_mib"] > 0
+    assert data["peak_phase"] in ("forward", "loss", "backward", "step") and data["peak_at"] in out
+    assert set(data["holds"]) == {k.removesuffix("_mib") for k in data if k.endswith("_mib") and k != "peak_mib"}
+
+
+W, LAYERS = 256, 4
+
+
+def stack() -> nn.Module:
+    """Linear layers without bias: ``LAYERS`` weights of ``W`` x ``W`` floats, nothing else."""
+    return nn.Sequential(*[nn.Linear(W, W, bias=False) for _ in range(LAYERS)])
+
+
+WEIGHTS = LAYERS * W * W * 4
+STATE = 2 * WEIGHTS + LAYERS * 4  # AdamW's two moments, and a float step count a parameter
+
+
+def test_a_peak_at_the_optimizer_step_holds_every_gradient_and_the_state_apart_from_the_step_s_scratch():
+    # Weights dominate a batch of 8: the peak is the step, every gradient alive, the activations gone.
+    est = sw.estimate(stack, torch.randn(8, W))
+    assert (est.phase, est.module, est.moment) == ("step", None, "in the optimizer step")
+    assert est.parameters == WEIGHTS and est.gradients == WEIGHTS
+    # The multi-tensor step's parameter-sized working tensors are its temporaries, not its state.
+    assert est.optimizer_state == STATE
+    assert WEIGHTS // 2 <= est.temporaries <= 2 * WEIGHTS
+    assert est.activations == 0 and est.output == 8 * W * 4 + 4  # the output and the scalar loss, held to the end
+    assert est.batch == 8 * W * 4 and est.peak == sum(est.breakdown().values())
+    assert "every trained parameter's" in est.holds()["gradients"]
+    assert "in the optimizer step" in str(est) and "optimizer step's working tensors" in str(est)
+
+
+def test_a_peak_in_backward_names_the_module_and_holds_what_backward_has_made():
+    # Activations dominate a batch of 8192: the peak is at the last layer's backward, where its weight's
+    # gradient is being computed (a temporary until it is stored) and none is stored yet.
+    batch = 8192
+    est = sw.estimate(stack, torch.randn(batch, W))
+    assert (est.phase, est.module, est.moment) == ("backward", str(LAYERS - 1), f"in backward, at {LAYERS - 1}")
+    assert est.gradients == 0 and est.holds()["gradients"].startswith("none yet")
+    assert est.optimizer_state == STATE
+    # Saved for backward: the inputs of layers 1..3 (layer 0's is the batch), and backward's seed, a float.
+    assert est.activations == (LAYERS - 1) * batch * W * 4 + 4
+    assert est.output == batch * W * 4 + 4 and est.batch == batch * W * 4
+    # The gradient of the output and of the last layer's input, and the last layer's weight gradient.
+    assert est.temporaries == 2 * batch * W * 4 + W * W * 4
+    # A deeper model's peak at the start of backward: the gradients made so far are its head's.
+    head = 256 * 1 * 4 + 4
+    deep = sw.estimate(mlp, torch.randn(BATCH, WIDTH))
+    assert deep.phase == "backward" and deep.module.startswith(f"0.{DEPTH - 1}.")
+    assert deep.gradients == head and deep.holds()["gradients"] == "those backward has made so far"
+
+
+def test_with_the_step_in_backward_the_peak_holds_only_the_gradient_being_stepped():
+    est = sw.estimate(stack, torch.randn(8, W), "step_in_backward(torch.optim.AdamW)")
+    assert est.phase == "backward" and est.stepping and est.moment.endswith("during a step in backward")
+    # Each gradient is freed once stepped: what is alive is the one parameter's being stepped.
+    assert 0 < est.gradients <= W * W * 4 and "the step in backward frees each" in est.holds()["gradients"]
+    assert est.optimizer_state == STATE and est.temporaries > 0
+
+
+def test_a_language_model_s_peak_at_the_loss_s_gradient_holds_no_gradient_yet():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000)
+    ids = torch.randint(0, 1000, (4, 128))
+    est = sw.estimate(lambda: transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids})
+    # The logits' gradient and the loss's over the vocabulary, before backward reaches a parameter.
+    assert est.phase == "backward" and "the loss's gradient" in est.moment
+    assert est.gradients == 0 and est.temporaries >= 2 * 4 * 128 * 1000 * 4
+    assert est.output >= 4 * 128 * 1000 * 4  # the logits, which the output holds
+
+
+def gpt2(positions: int = 64) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=positions, vocab_size=1000)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_an_input_longer_than_the_model_s_positions_fails_as_the_real_run_does():
+    ids = torch.randint(0, 1000, (2, 128))
+    with pytest.raises(IndexError, match="index out of range"):
+        gpt2()(input_ids=ids)  # the real run
+    with pytest.raises(IndexError, match=r"^shrinkwrap: the model's embedding 'transformer\.wpe' has 64 rows, "
+                                         r"and an index the model computes .* reaches row 127: .*shorter input"):
+        sw.estimate(gpt2, {"input_ids": ids, "labels": ids})
+    short = torch.randint(0, 1000, (2, 64))
+    assert sw.estimate(gpt2, {"input_ids": short, "labels": short}).peak > 0
+    ids[0, 5] = 1000  # a token id past the vocabulary
+    with pytest.raises(IndexError, match=r"'transformer\.wte' has 1000 rows, and a value of the batch reaches row 1000"):
+        sw.estimate(functools.partial(gpt2, 128), {"input_ids": ids, "labels": ids})
+
+
+def test_any_embedding_s_range_is_checked_where_the_model_computes_its_indices():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(100, 8), nn.Embedding(16, 8)
+
+        def forward(self, ids):
+            where = torch.arange(ids.shape[1]).expand_as(ids) + 2  # two rows kept for marks
+            ids.clamp_(max=99)  # in place on the batch, as some tokenizer-side code does
+            return self.tokens(ids) + self.positions(where)
+
+    ids = torch.full((2, 14), 150)
+    assert sw.estimate(Positions, ids).peak > 0  # positions 2..15 of 16
+    assert (ids == 150).all()  # the batch comes back as it was given
+    with pytest.raises(IndexError, match=r"'positions' has 16 rows, and an index the model computes .* reaches row 16"):
+        sw.estimate(Positions, torch.full((2, 15), 150))
+
+
+def test_the_command_refuses_an_input_the_model_cannot_take(capsys):
+    pytest.importorskip("transformers")
+    assert main(["estimate", "transformers:GPT2Config", "--batch", "1", "--input", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shrinkwrap: error: the model's embedding 'transformer.wpe' has 1024 rows") and "\n" not in err
 
 
 @pytest.mark.cuda

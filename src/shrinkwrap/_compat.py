@@ -221,6 +221,22 @@ def mem_tracker() -> type:
     return MemTracker
 
 
+def mod_tracker() -> type:
+    """``torch.distributed._tools.mod_tracker.ModTracker``: the modules running at a moment, forward
+    or backward, by dotted name (``parents``), what an estimate names its peak's place by. Checked on
+    torch 2.11 and 2.13."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    return ModTracker
+
+
+def tracked_peak(tracker: Any) -> int:
+    """A ``MemTracker``'s peak so far, in bytes over its devices (``MemTracker._peak_mem``): read
+    after every operation, where the public snapshot's deep copy would cost more than the
+    operation under fake tensors. Checked on torch 2.11 and 2.13."""
+    return sum(tracker._peak_mem.values())
+
+
 def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
     """aten's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``), which has a
     fake kernel where the public ``scaled_dot_product_attention`` dispatches by device. Checked

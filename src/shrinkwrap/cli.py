@@ -293,9 +293,10 @@ def _estimate(args: argparse.Namespace) -> int:
     factory, batch = load_model(args.model, args.input, args.batch, args.tokens)
     est = estimate(factory, batch, plan)
     if args.json:
-        data = {"schema": "shrinkwrap.estimate/1", "model": args.model, "plan": str(plan), "batch": args.batch,
+        data = {"schema": "shrinkwrap.estimate/2", "model": args.model, "plan": str(plan), "batch": args.batch,
                 "torch_version": torch.__version__, "peak_mib": round(est.peak / 2**20, 1),
                 **{f"{k}_mib": round(v / 2**20, 1) for k, v in est.breakdown().items()},
+                "peak_at": est.moment, "peak_phase": est.phase, "peak_module": est.module, "holds": est.holds(),
                 "seconds": round(est.seconds, 1), "notes": list(est.notes)}
         text = json.dumps(data, indent=2)
         if args.json == "-":
