@@ -19,7 +19,7 @@ CPU (``bf16_state_cpu``), lossy all on the GPU (bf16 weights, 8-bit state, stoch
 ``CPUOffloadOptimizer`` with the best plan (``torchao_offload``, where torchao is importable:
 carried as a wheel). Memory from ``shrinkwrap.measure`` in a fresh process
 per row (the steady step's peak, by kind); bytes per parameter on the GPU beside activations are
-(peak - activations) / parameters. Times in turns in one process (``shrinkwrap.time_interleaved``),
+(peak - activations) / parameters, and an estimate's (parameters + gradients + optimizer state) / parameters. Times in turns in one process (``shrinkwrap.time_interleaved``),
 tokens per second from the median. The loss curves train on real text at hand offline: the Python
 source of the installed torch package, byte-tokenized.
 """
@@ -157,7 +157,7 @@ def estimates(config_name: str, names: list[str]) -> list[dict]:
         terms = {k: round(v / MiB, 1) for k, v in est.breakdown().items()}
         out.append({"model": config_name, "config": name, "plan": PLANS[name], "kind": "estimate",
                     "peak_mib": round(est.peak / MiB, 1), **{f"{k}_mib": v for k, v in terms.items()},
-                    "bytes_per_parameter": round((est.peak - est.activations) / params, 2),
+                    "bytes_per_parameter": round((est.parameters + est.gradients + est.optimizer_state) / params, 2),
                     "seconds": round(est.seconds, 1), **_stamp()})
         print(json.dumps(out[-1]), flush=True)
     return out

@@ -11,7 +11,7 @@ The files, one concern each:
 - ``turns.py``: several models timed in turns, and each module's forward time.
 - ``ratios.py``: step-time ratios of plans timed in turns, and when they decide a limit.
 - ``modules.py``, ``saved.py``: the per-module log, the bytes saved for backward.
-- ``estimate.py``: the CUDA peak predicted on the CPU; ``ranks.py``: profiles across ranks.
+- ``estimate.py``: the CUDA peak predicted on the CPU, ``indices.py`` the index ranges it checks; ``ranks.py``: profiles across ranks.
 
 Example::
 
