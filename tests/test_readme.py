@@ -28,3 +28,11 @@ def test_every_relative_link_leads_to_a_file(page):
     prose = re.sub(r"```.*?```|`[^`]*`", "", page.read_text(), flags=re.S)  # code is no link
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", prose):
         assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_the_docs_index_lists_every_page_once():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = re.findall(r"\]\(([^)#]+\.md)\)", index)
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md") if p.name != "README.md")
+    assert sorted(p for p in linked if not p.startswith("..")) == pages
+    assert "docs/README.md" in README
