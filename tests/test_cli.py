@@ -291,6 +291,14 @@ def test_a_torchvision_that_cannot_be_imported_is_one_line(capsys, monkeypatch):
                    "torchvision is installed but cannot be imported (RuntimeError: operator torchvision::nms does "
                    f"not exist); built for another torch than {torch.__version__}? install the torchvision built for "
                    f"torch {torch.__version__}: pip install '{matching_torchvision()}'")
+    # transformers imports an installed torchvision: a broken one is named before a model's import fails
+    monkeypatch.undo()
+    find_spec = cli_models.importlib.util.find_spec
+    monkeypatch.setattr(cli_models.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torchvision" else find_spec(name, *a))
+    monkeypatch.setattr(cli_models.importlib, "import_module", broken)
+    one_error_line(capsys, ["estimate", "transformers:GPT2Config", "--batch", "2", "--input", "8"],
+                   "(transformers models import it where it is installed and fail with it; or: pip uninstall torchvision)")
 
 
 def test_a_model_file_by_path_and_a_module_in_the_current_folder_load(tmp_path, capsys, monkeypatch):

@@ -216,6 +216,12 @@ def _factory_and_batch(spec: str, input_shape: tuple[int, ...] | None, batch_siz
 def _transformers_and_batch(spec: str, name: str, input_shape: tuple[int, ...] | None, batch_size: int,
                             gen: torch.Generator) -> tuple[Callable[[], nn.Module], Any]:
     transformers = need("transformers")
+    if importlib.util.find_spec("torchvision") is not None:
+        try:  # transformers imports an installed torchvision, and its models fail to import with a broken one
+            need("torchvision")
+        except CliError as exc:
+            raise CliError(f"{exc} (transformers models import it where it is installed and fail with it; "
+                           "or: pip uninstall torchvision)") from exc
     cls = getattr(transformers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
         known = [n for n in dir(transformers) if n.endswith("Config")]
