@@ -54,10 +54,11 @@ def test_a_stage_counts_each_item_as_it_ends_and_estimates_what_is_left(monkeypa
 
 
 def _stages(told):
-    """The calls split into stages: each starts at 0."""
+    """The calls split into stages: each starts at 0 with its label alone (a step of its first
+    item, at 0 too, says what)."""
     out = []
     for call in told:
-        if call[0] == 0:
+        if call[0] == 0 and ": " not in call[2]:
             out.append([])
         out[-1].append(call)
     return out
@@ -79,7 +80,8 @@ def test_autoplan_ticks_every_stage_as_each_row_ends_with_the_time_left(monkeypa
         return out
 
     monkeypatch.setattr(rows_module, "measure_plans", measured)
-    sw.autoplan(mlp, BATCH, budget=0.45, progress=lambda i, n, text: events.append((i, n, text, clock.now)), **FAST)
+    sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=3.0, progress=lambda i, n, text: events.append((i, n, text, clock.now)),
+                **FAST)
     told = [e for e in events if e[0] != "row"]
     assert told[-1][:3] == (1, 1, "done")
     stages = _stages(told[:-1])
@@ -87,16 +89,20 @@ def test_autoplan_ticks_every_stage_as_each_row_ends_with_the_time_left(monkeypa
     assert labels[:2] == ["baseline", "whole-model steps, each alone"], labels
     assert labels[2].startswith("candidates on top of") and labels[3].startswith("verifying chosen plans"), labels
     for stage in stages:
-        # The count advances once an item, one by one, to the stage's count (a stage that ends early, as
-        # verifying does, says once more that it is over); the last says the time in all.
+        # The count advances once an item, one by one, to the stage's count; the last says the time in all.
+        # Between advances, only the rounds of a timing in turns are told, and a stage that ends early (as
+        # verifying does) says once more that it is over.
         counts = [i for i, *_ in stage]
-        assert list(dict.fromkeys(counts)) == list(range(stage[-1][1] + 1)) and len(counts) <= stage[-1][1] + 2, stage
+        assert list(dict.fromkeys(counts)) == list(range(stage[-1][1] + 1)) and counts == sorted(counts), stage
+        again = [t for a, t in zip(stage, stage[1:]) if t[0] == a[0]]
+        assert all("timed in turns with the baseline, round" in t[2] for t in again[:-1]), stage
         assert stage[-1][0] == stage[-1][1], stage
         assert stage[-1][2].startswith(stage[0][2] + ", ") and " in all" in stage[-1][2], stage
         # The time left, once the stage has run a second (a row from the cache takes none), until it ends.
         began = stage[0][3]
         for i, n, text, now in stage[1:-1]:
-            assert bool(re.search(r", about \d+ s left", text)) == (now - began >= progress_module.SETTLED), stage
+            if i:
+                assert bool(re.search(r", about \d+ s left", text)) == (now - began >= progress_module.SETTLED), stage
     # Each candidate's tick comes as its row ends: one row measured before each, none after the last.
     assert sum(1 for t in stages[2] if "forward timed" not in t[2]) > 3
     candidates = stages[2]
@@ -108,6 +114,9 @@ def test_autoplan_ticks_every_stage_as_each_row_ends_with_the_time_left(monkeypa
         else:
             assert len(rows) == (0 if "forward timed" in tick[2] else 1), (tick, rows)
     assert not any(e[0] == "row" for e in events[at[-1]:events.index(stages[3][0])])
+    # A plan verified is timed in turns with the baseline: each round told as it ends.
+    rounds = [t[2] for t in stages[3] if "timed in turns" in t[2]]
+    assert rounds and rounds[0].endswith("round 1 (of 5 to 15)") and rounds[4].endswith("round 5 (of 5 to 15)"), rounds
 
 
 def test_piped_progress_is_a_line_per_item_and_none_with_progress_false(capsys):

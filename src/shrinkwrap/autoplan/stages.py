@@ -75,6 +75,7 @@ class _Search:
     # Regions not measured, each with its forward time and the room the time limit left (on_top)
     unmeasured: list = dataclasses.field(default_factory=list)
     progress: Progress | None = None  # told as each stage's rows end (measuring.progress.Stage)
+    stage: Stage | None = None  # the stage measuring now: told of each round of a timing in turns
 
     def fits_time(self, row: Row) -> bool:
         """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
@@ -112,8 +113,9 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
+        say = None if self.stage is None else lambda text: self.stage.say(f"{plan}: {text}")
         self.ratios[str(plan)] = timed_against(self.rows.model(Plan()), self.rows.model(plan), self.rows.batch,
-                                               self.rows.options_for(plan), self.max_slowdown, self.tolerance)
+                                               self.rows.options_for(plan), self.max_slowdown, self.tolerance, say)
 
     def counted(self, plans: list[Plan], isolate: bool, stage: Stage, names: list[str] | None = None) -> list[Row]:
         """Rows for ``plans`` as :class:`~.rows.Rows` gives them, asked one plan at a time so that
@@ -279,7 +281,7 @@ class _Search:
         over: list[frozenset[str]] = []  # what the plans measured over the time limit covered (_covered)
         grow = self.target is None and not self.by_memory and self.max_t is not None
         start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
-        stage = Stage(self.progress, "verifying chosen plans, in rounds", rounds)
+        stage = self.stage = Stage(self.progress, "verifying chosen plans, in rounds", rounds)
         for r in range(rounds):
             plan = _plan([e.candidate for e in chosen], self.model)
             self.sets.setdefault(str(plan), list(chosen))
@@ -342,6 +344,7 @@ class _Search:
             tried.append(row)
         tried = self._fresh_answer(tried, stage)
         stage.end()
+        self.stage = None
         return tried
 
     def _pruned(self, chosen: list[Effect], in_base: list[Effect], row: Row, rounds: int,
@@ -443,7 +446,7 @@ class _Search:
                                 and self.fits_time(r)]
             if not better:
                 break
-            stage = stage or Stage(self.progress, "verifying rows that could beat the answer", tries)
+            stage = self.stage = stage or Stage(self.progress, "verifying rows that could beat the answer", tries)
             row = self.measure_chosen(min(better, key=self.metric).plan)
             stage.done(str(row.plan))
             asked.add(str(row.plan))
@@ -454,6 +457,7 @@ class _Search:
             tried = tried + [row]
         if stage:
             stage.end()
+        self.stage = None
         return tried
 
     def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan) -> list[Row]:
@@ -485,8 +489,8 @@ class _Search:
         there = self.compile_ahead(plans, step.steps[0], self.progress, tried)
         before = aot_autograd_cache_counts() if self.ahead else None
         rows = []
-        stage = Stage(self.progress, "compiled plans" + (", each compiling here" if len(there) < len(plans) else ""),
-                      len(plans))
+        stage = self.stage = Stage(self.progress, "compiled plans" + (", each compiling here" if len(there) < len(plans)
+                                                                     else ""), len(plans))
         for plan in plans:
             if plan in there:
                 result, matched, skipped, timings, _ = there[plan]
@@ -501,6 +505,7 @@ class _Search:
             stage.done(str(plan))
         if before is not None:
             self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(aot_autograd_cache_counts(), before))
+        self.stage = None
         return rows
 
     def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None,
