@@ -171,7 +171,8 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     assert ticks[0] == (0, 4, "4 plans compiled side by side in fresh processes, then each measured there")
     assert "the last compiled after" in ticks[1][2] and ticks[1][:2] == (0, 4)
     for i in range(4):
-        assert told[told.index(("arrived", i)) + 1][:2] == (i + 1, 4) and told[told.index(("arrived", i)) + 1][2].endswith(texts[i])
+        tick = told[told.index(("arrived", i)) + 1]
+        assert tick[:2] == (i + 1, 4) and tick[2].endswith(texts[i])
     assert [t[:2] for t in ticks[6:]] == [(i, len(out)) for i in range(len(out) + 1)]
     assert ticks[6][2].startswith("compiled plans") and ticks[-1][2].endswith(str(out[-1].plan))
     assert stopped == [0]  # before the free memory is read: their CUDA contexts are no room for a plan

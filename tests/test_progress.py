@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Clock:
-    """A clock that moves only when told: each item of work takes ``step`` seconds."""
+    """A clock that moves only when a test moves it (``now``)."""
 
     def __init__(self):
         self.now = 0.0
@@ -80,8 +80,8 @@ def test_autoplan_ticks_every_stage_as_each_row_ends_with_the_time_left(monkeypa
         return out
 
     monkeypatch.setattr(rows_module, "measure_plans", measured)
-    sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=3.0, progress=lambda i, n, text: events.append((i, n, text, clock.now)),
-                **FAST)
+    sw.autoplan(mlp, BATCH, budget=0.45, max_slowdown=3.0,
+                progress=lambda i, n, text: events.append((i, n, text, clock.now)), **FAST)
     told = [e for e in events if e[0] != "row"]
     assert told[-1][:3] == (1, 1, "done")
     stages = _stages(told[:-1])

@@ -244,7 +244,8 @@ def measure_plans(
         elif why := why_unsendable((make, row.plan, batch, options)):
             notes.append(f"{row.label}: not fit-tested (it trains in fresh processes): {why}")
         else:
-            row.fit = fit_test(make, batch, row.plan, options, progress=lambda text, label=row.label: stage.say(f"{label}: {text}"))
+            row.fit = fit_test(make, batch, row.plan, options,
+                               progress=lambda text, label=row.label: stage.say(f"{label}: {text}"))
         stage.done(row.label)
     return Report(
         rows=rows,

@@ -481,7 +481,8 @@ def _under_cap(rows_in_order: list[Row], rows: Rows, cap: float, progress: Progr
     if rows.unsendable:  # read on CUDA, where this is called
         return rows_in_order[0] if rows_in_order else None, [
             f"not trained under the budget's cap (it trains in fresh processes): {rows.unsendable}"]
-    stage = Stage(progress, f"training under the budget's cap of {cap / 2**20:.0f} MiB", len(rows_in_order))
+    stage = Stage(progress if rows_in_order else None, f"training under the budget's cap of {cap / 2**20:.0f} MiB",
+                  len(rows_in_order))
     for row in rows_in_order:
         probe: Probe = trains_under(rows.make, rows.batch, int(cap), row.plan, rows.options_for(row.plan))
         stage.done(f"{row.plan or 'the model as it is'} {'trained' if probe.ok else 'did not train'}")

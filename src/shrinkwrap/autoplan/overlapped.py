@@ -128,7 +128,8 @@ class OverlappedRows(Rows):
 
         at_once, out = compile_ahead(self.make, plans, self.batch, self.options_for(plans[0]), room,
                                      then=None if graphed else turn.row, compiled=compiled,
-                                     after=None if graphed else turn.timed, finished=lambda i: stage.done(str(plans[i])))
+                                     after=None if graphed else turn.timed,
+                                     finished=lambda i: stage.done(str(plans[i])))
         if not at_once:
             stage.end("fewer than two fit on the GPU at once: each compiles here instead")
             return {}, None

@@ -39,7 +39,7 @@ class Stage:
 
         >>> stage = Stage(lambda i, n, text: print(i, n, text), "candidates", 2)
         0 2 candidates
-        >>> stage.done("swish()")
+        >>> stage.done("swish()")  # three seconds in
         1 2 candidates, about 3 s left: swish()
     """
 
