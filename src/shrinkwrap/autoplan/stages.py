@@ -113,7 +113,7 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
-        say = None if self.stage is None else lambda text: self.stage.say(f"{plan}: {text}")
+        say = None if self.stage is None else lambda text: self.stage.say(f"{text}: {plan}")  # the plan last: it is long
         self.ratios[str(plan)] = timed_against(self.rows.model(Plan()), self.rows.model(plan), self.rows.batch,
                                                self.rows.options_for(plan), self.max_slowdown, self.tolerance, say)
 
