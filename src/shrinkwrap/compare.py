@@ -74,11 +74,13 @@ class ProgressBar:
 
 
 def _columns() -> int:
-    """The width of the terminal stderr draws on (80 where it cannot be read)."""
+    """The width of the terminal stderr draws on (80 where it cannot be read, or reads 0: a
+    pseudo-terminal whose size no one set, as ``script`` makes without a terminal of its own)."""
     try:
-        return max(40, os.get_terminal_size(sys.stderr.fileno()).columns)
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
     except (OSError, ValueError, AttributeError):  # not a real file (a test's capture), or closed
-        return 80
+        columns = 0
+    return max(40, columns) if columns else 80
 
 
 def progress_of(progress: Progress | bool | None) -> Progress | None:

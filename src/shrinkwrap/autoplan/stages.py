@@ -281,7 +281,7 @@ class _Search:
         over: list[frozenset[str]] = []  # what the plans measured over the time limit covered (_covered)
         grow = self.target is None and not self.by_memory and self.max_t is not None
         start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
-        stage = self.stage = Stage(self.progress, f"verifying chosen plans, {rounds} rounds at most", rounds)
+        stage = self.stage = Stage(self.progress, f"verifying, {rounds} rounds at most", rounds)
         for r in range(rounds):
             plan = _plan([e.candidate for e in chosen], self.model)
             self.sets.setdefault(str(plan), list(chosen))

@@ -105,6 +105,5 @@ def timed_against(baseline: nn.Module, plan: nn.Module, batch: Any, options: Opt
     timings = time_interleaved(
         {"baseline": baseline, "plan": plan}, batch, options, rounds=5, per_round=PER_ROUND,
         until=lambda t: slowdown_decided(t["baseline"], t["plan"], max_slowdown, tolerance), max_rounds=MAX_ROUNDS,
-        progress=None if progress is None else lambda r: progress(f"timed in turns with the baseline, round {r} "
-                                                                  f"(of 5 to {MAX_ROUNDS})"))
+        progress=None if progress is None else lambda r: progress(f"timed in turns, round {r} of 5 to {MAX_ROUNDS}"))
     return timings["baseline"], timings["plan"]
