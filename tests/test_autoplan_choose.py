@@ -61,7 +61,7 @@ def test_a_verified_plan_over_whole_stages_is_measured_again_with_a_region_a_blo
 
     search = Search(SimpleNamespace(cuda=False), model, lambda r: keeps[str(r.plan)], 1000.0, 8.0, None, 10.0, False,
                     False, 1.25)
-    tried = search.verify(effects[:2], [], effects, 1, None, 0)
+    tried = search.verify(effects[:2], [], effects, 1)
     assert [t for t, isolate in measured if not isolate] == [str(whole), str(each)]
     assert search.final(tried).plan == each
 
@@ -88,12 +88,13 @@ def test_chosen_plan_fits_the_budget_and_is_verified():
 
 def test_progress_true_draws_the_stages_on_stderr_and_anything_else_uncallable_is_refused(capsys):
     sw.autoplan(mlp, BATCH, budget=0.45, progress=True, **FAST)
-    err = capsys.readouterr().err.splitlines()  # not a terminal here: one line per stage
-    assert err[0].startswith("shrinkwrap: 0/") and err[0].endswith("baseline and candidates")
-    assert any(" verify " in line for line in err) and err[-1] == "shrinkwrap: 1/1 done"  # a bar ends its line
+    err = capsys.readouterr().err.splitlines()  # not a terminal here: a line as each stage starts and each item ends
+    assert err[0] == "shrinkwrap: 0/1 baseline"
+    assert any(" verifying, " in line for line in err)
+    assert err[-1] == "shrinkwrap: 1/1 done"  # a bar ends its line
     told = []
     sw.autoplan(mlp, BATCH, budget=0.45, progress=lambda i, n, text: told.append((i, n, text)), **FAST)
-    assert told[0][2] == "baseline and candidates" and told[-1] == (1, 1, "done")
+    assert told[0] == (0, 1, "baseline") and told[-1] == (1, 1, "done")
     sw.autoplan(mlp, BATCH, budget=0.45, progress=False, **FAST)
     assert capsys.readouterr().err == ""
     with pytest.raises(TypeError, match="shrinkwrap: progress is True"):

@@ -129,12 +129,15 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     there = (dataclasses.replace(rows[0].profile, peak=1234), ("",), (), timings, (2.0, 3.0))  # _Turn.timed's
     failed = (("failed", "BackendCompilerFailed: ..."), (), (), None, (9.0, None))
 
-    def fake_ahead(make, plans, batch, options, room, then, compiled, after):
+    def fake_ahead(make, plans, batch, options, room, then, compiled, after, finished):
         ahead.append(([str(p) for p in plans], room, then, after))
         if then is not None:  # told once every plan has compiled: the processes measure next
             time.sleep(0.05)
             compiled([50.0, 60.0, float("nan"), 80.0][:len(plans)])  # NaN: an earlier wave's process died first
             time.sleep(0.05)
+        for i in range(len(plans)):  # each plan's entry arrives
+            told.append(("arrived", i))
+            finished(i)
         # The first plan measured there, the second failed there; the third's process died in its
         # turn (its error), and the fourth's turn never came. Without ``then``: compiled only.
         return len(plans), ([there, failed] if then else [None, None]) + ["BrokenProcessPool: ...", None][:len(plans) - 2]
@@ -156,10 +159,22 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     stage = types.SimpleNamespace(cache=cache, make=resnet64, batch=None, options_for=lambda plan: None, cuda=True,
                                   fresh=fresh)
     stage.compiled_ahead = lambda *args: overlapped.OverlappedRows.compiled_ahead(stage, *args)
-    search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0)
+    told = []
+    search = Search(stage, model, metric, 1000.0, 8.0, None, 100.0, False, False, 10.0,
+                    progress=lambda i, n, text: told.append((i, n, text)))
     effects = [Effect(by_cover[("conv1", "bn1", "relu", "maxpool")], 100.0, 1.0), Effect(by_cover[("layer1",)], 100.0, 1.0)]
     out = search.compiled(rows, effects, 1000.0, 8.0, sw.Plan.parse("compile()"))
     ((texts, room, then, after),) = ahead
+    # Progress: the plans compiled ahead, a tick as each one's entry arrives (its turn there over),
+    # a line once all have compiled; then the compile stage's plans, a tick as each is measured.
+    ticks = [t for t in told if t[0] != "arrived"]
+    assert ticks[0] == (0, 4, "4 plans compiled side by side in fresh processes, then each measured there")
+    assert "the last compiled after" in ticks[1][2] and ticks[1][:2] == (0, 4)
+    for i in range(4):
+        tick = told[told.index(("arrived", i)) + 1]
+        assert tick[:2] == (i + 1, 4) and tick[2].endswith(texts[i])
+    assert [t[:2] for t in ticks[6:]] == [(i, len(out)) for i in range(len(out) + 1)]
+    assert ticks[6][2].startswith("compiled plans") and ticks[-1][2].endswith(str(out[-1].plan))
     assert stopped == [0]  # before the free memory is read: their CUDA contexts are no room for a plan
     # The plan measured there is a fresh process's row, with its timings in turns, and this
     # process measures the others itself (compiling them from the on-disk caches).

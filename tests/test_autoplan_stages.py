@@ -50,7 +50,7 @@ class _Scripted:
                         False, 1.25, tolerance=0.0)
         effects = [ap.Effect(c, self.saving, self.cost, priced_by_forward=by_forward) for c in candidates(mlp(), device="cpu")
                    if c.covers and "." in c.covers[0]]
-        tried = search.verify(search.search(effects, 1000.0, 8.0), [], effects, rounds, None, 0)
+        tried = search.verify(search.search(effects, 1000.0, 8.0), [], effects, rounds)
         return search, tried, search.final(tried)
 
 
@@ -82,14 +82,14 @@ def test_savings_that_do_not_add_up_are_measured_where_they_decide_the_set():
     effects = [ap.Effect(c, 100.0, 1.0 + i / 10) for i, c in enumerate(singles)]
     chosen = search.search(effects, 1000.0, 8.0, 750.0)
     assert len(chosen) == 3  # what the sum asks for
-    tried = search.verify(chosen, [], effects, 4, None, 0)
+    tried = search.verify(chosen, [], effects, 4)
     best = search.final(tried)
     assert measured == [3, 2] and blocks(best.plan) == 2 and search.fits(best)
     assert best.plan == ap._plan([e.candidate for e in effects[:2]], mlp())  # the costliest was dropped
     # Where the measurement is what the sum said, nothing more is measured.
     keeps.update({2: 800, 3: 700})
     measured.clear()
-    tried = search.verify(search.search(effects, 1000.0, 8.0, 750.0), [], effects, 4, None, 0)
+    tried = search.verify(search.search(effects, 1000.0, 8.0, 750.0), [], effects, 4)
     assert measured == [3] and blocks(search.final(tried).plan) == 3
 
 

@@ -44,7 +44,7 @@ def error_line(stderr: str) -> str:
 
 def one_error_line(capsys, argv, expected: str) -> None:
     """The command ends in one error line, exit 2: before it, progress lines at most (stderr is no
-    terminal here: one line per stage)."""
+    terminal here: a line as each stage starts and as each of its items ends)."""
     assert main(argv) == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()
@@ -56,8 +56,10 @@ def one_error_line(capsys, argv, expected: str) -> None:
 def test_demo_runs_and_prints_the_report(capsys, tmp_path):
     assert main(["demo", "--batch", "2", *FAST, "--json", str(tmp_path / "r.json")]) == 0
     out, err = capsys.readouterr()
-    # stderr is no terminal here: a line per stage, no bar redrawn in place
-    assert err.splitlines()[0] == "shrinkwrap: 0/5 baseline" and "\r" not in err
+    # stderr is no terminal here: a line as the rows start and as each ends, no bar redrawn in place
+    lines = err.splitlines()
+    assert lines[0] == "shrinkwrap: 0/5 rows" and lines[1].startswith("shrinkwrap: 1/5 rows") and "\r" not in err
+    assert lines[1].endswith(": baseline") and len(lines) == 6
     assert "baseline" in out and "checkpoint(" in out and torch.__version__ in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["rows"][0]["step"] == "baseline" and len(data["rows"]) >= 2

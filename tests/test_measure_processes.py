@@ -3,6 +3,7 @@ and caches they share with this process."""
 
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,15 +66,20 @@ def test_fresh_processes_ahead_start_the_next_rows_process_as_each_row_starts():
 def test_a_progress_bar_is_redrawn_in_place_on_a_terminal_and_a_line_a_row_in_a_log(capsys, monkeypatch):
     sw.plan_report(sw.Plan([sw.checkpoint("0")]), mlp, torch.randn(16, 32), iterations=1, warmup=1, device="cpu",
                    progress=True)
-    assert capsys.readouterr().err.splitlines() == ["shrinkwrap: 0/2 baseline", "shrinkwrap: 1/2 checkpoint('0')",
-                                                    "shrinkwrap: 2/2 done"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "shrinkwrap: 0/2 rows" and len(lines) == 3, lines  # a line as each row ends
+    assert re.fullmatch(r"shrinkwrap: 1/2 rows(, about .+ left)?: baseline", lines[1]), lines
+    assert re.fullmatch(r"shrinkwrap: 2/2 rows, \d+ s in all: checkpoint\('0'\)", lines[2]), lines
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     bar = sw.ProgressBar()
     bar(1, 4, "baseline")
     bar(4, 4, "done")
     drawn = capsys.readouterr().err
-    assert drawn == ("\rmeasuring [#####...............] 1/4 baseline".ljust(90)
-                     + "\rmeasuring [####################] 4/4 done".ljust(90) + "\n")  # a new line once done
+    # 80 columns where the terminal's width cannot be read; a line one shorter, so that it never wraps
+    assert drawn == ("\r" + "measuring [#####...............] 1/4 baseline".ljust(79)
+                     + "\r" + "measuring [####################] 4/4 done".ljust(79) + "\n")  # a new line once done
+    bar(2, 4, "x" * 200)
+    assert capsys.readouterr().err == "\r" + ("measuring [##########..........] 2/4 " + "x" * 200)[:79]
     sw.ProgressBar(quiet=True)(1, 4, "baseline")
     assert capsys.readouterr().err == ""
 
@@ -162,9 +168,13 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
              sw.Plan.parse("compile(backend='no_such_backend')")]
     seen: list[tuple[float, list[float]]] = []
     started = time.time()
+    arrived = []
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured,
-                                 compiled=lambda seconds: seen.append((time.time(), seconds)))
+                                 compiled=lambda seconds: seen.append((time.time(), seconds)),
+                                 finished=lambda i: arrived.append((i, time.time())))
     assert at_once == 3 and [text for *_, text in out] == [str(p) for p in plans]  # the one that failed too
+    # Told as each plan's entry arrives, after its turn ended there.
+    assert sorted(i for i, _ in arrived) == [0, 1, 2] and all(t >= out[i][2] for i, t in arrived)
     steps = [(int(pid), float(t)) for pid, _, t in (line.split() for line in log.read_text().splitlines())]
     turns = sorted((began, ended) for _, began, ended, _ in out)
     # Each in the process that compiled it, after every plan's first iterations, and no two at once.

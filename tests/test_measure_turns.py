@@ -35,8 +35,11 @@ def test_time_interleaved_goes_on_round_by_round_until_told_and_no_further_than_
         return len(seen) == 4
 
     opts = sw.Options(device="cpu", warmup=1)
-    timings = sw.time_interleaved(models, torch.randn(2, 4), opts, rounds=2, per_round=1, until=until, max_rounds=9)
+    told = []  # each round as it ends
+    timings = sw.time_interleaved(models, torch.randn(2, 4), opts, rounds=2, per_round=1, until=until, max_rounds=9,
+                                  progress=lambda r: told.append((r, len(seen))))
     assert seen == [2, 3, 4, 5] and all(len(t.rounds_ms) == 5 for t in timings.values())
+    assert told == [(1, 0), (2, 0), (3, 1), (4, 2), (5, 3)]
     capped = sw.time_interleaved(models, torch.randn(2, 4), opts, rounds=2, per_round=1, until=lambda t: False,
                                  max_rounds=4)
     assert all(len(t.rounds_ms) == 4 for t in capped.values())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ import torch.nn as nn
 from . import _rewrite
 from ._tree import tensors, tree_map
 from .measuring.profile import LossFn, OptimizerFactory, Options, Profile
+from .measuring.progress import Progress, Stage
 from .measuring.ranks import rank_and_world
 from .measuring.step import clean_device, setup_iteration, device_name, measure_with, numbered, resolve_device
 from .plan import Plan, PlanLike, as_plan
@@ -40,14 +42,15 @@ from .processes.fresh import first_error_line
 from .processes.sendable import why_unsendable
 from .report import Report, Row
 
-Progress = Callable[[int, int, str], None]
 Parallelize = Callable[[nn.Module], nn.Module]
 
 
 class ProgressBar:
     """Progress on stderr, as a ``progress`` argument (``progress=True`` makes one): a bar redrawn
-    in place on a terminal, one line per stage in a log (stderr not a terminal), nothing where
-    ``quiet``.
+    in place on a terminal (a line kept as each stage ends), a line per call in a log (stderr not a
+    terminal: a line as each item of a stage ends), nothing where ``quiet``. The calls come from
+    :class:`~shrinkwrap.measuring.progress.Stage`: each text names the stage, the time left and
+    the item that ended.
 
     Example::
 
@@ -61,12 +64,23 @@ class ProgressBar:
         if self.quiet or sys.stderr is None:  # pythonw, some services: no stderr to draw on
             return
         if not self.tty:
-            sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:100]}\n")
+            sys.stderr.write(f"shrinkwrap: {i}/{n} {label[:200]}\n")
         else:
             filled = int(20 * i / max(n, 1))
-            text = f"\rmeasuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label[:50]}"
-            sys.stderr.write(text.ljust(90) + ("\n" if i == n else ""))
+            width = _columns() - 1  # a line longer than the terminal wraps, and \r redraws only its end
+            text = f"measuring [{'#' * filled}{'.' * (20 - filled)}] {i}/{n} {label}"[:width]
+            sys.stderr.write("\r" + text.ljust(width) + ("\n" if i == n else ""))
         sys.stderr.flush()
+
+
+def _columns() -> int:
+    """The width of the terminal stderr draws on (80 where it cannot be read, or reads 0: a
+    pseudo-terminal whose size no one set, as ``script`` makes without a terminal of its own)."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture), or closed
+        columns = 0
+    return max(40, columns) if columns else 80
 
 
 def progress_of(progress: Progress | bool | None) -> Progress | None:
@@ -205,12 +219,11 @@ def measure_plans(
     if not isolate and device.type == "cpu" and plans:
         warm_process(make, plans[0], batch, options)
     rows = []
+    stage = Stage(progress, "rows", len(plans))
     # Rows' processes are joined as it closes, after the last row (see FreshProcesses.run).
     with contextlib.nullcontext(processes) if processes else FreshProcesses() as fresh:
         for i, plan in enumerate(plans):
             role = "candidate" if plan.steps else "baseline"
-            if progress:
-                progress(i, len(plans), str(plan) or "baseline")
             args = (make, plan, batch, options, numbered(snapshot, i) if snapshot else None, keep_going, parallelize)
             if isolate:
                 try:
@@ -223,18 +236,19 @@ def measure_plans(
             else:
                 result, matched, skipped = measure_row(*args)
             rows.append(as_row(plan, result, matched, skipped, role))
-    for row in rows:
-        if device.type == "cuda" and row.profile is not None and (fit or (fit is None and row.profile.cuda_graphs)):
-            if progress:
-                progress(len(plans), len(plans), f"fit test: {row.label}")
-            if parallelize is not None or rank_and_world():
-                notes.append(f"{row.label}: not fit-tested (a fit probe trains one process, not a process group)")
-            elif why := why_unsendable((make, row.plan, batch, options)):
-                notes.append(f"{row.label}: not fit-tested (it trains in fresh processes): {why}")
-            else:
-                row.fit = fit_test(make, batch, row.plan, options)
-    if progress:
-        progress(len(plans), len(plans), "done")
+            stage.done(str(plan) or "baseline")
+    fitted = [r for r in rows if device.type == "cuda" and r.profile is not None
+              and (fit or (fit is None and r.profile.cuda_graphs))]
+    stage = Stage(progress if fitted else None, "fit tests (rows trained under caps)", len(fitted))
+    for row in fitted:
+        if parallelize is not None or rank_and_world():
+            notes.append(f"{row.label}: not fit-tested (a fit probe trains one process, not a process group)")
+        elif why := why_unsendable((make, row.plan, batch, options)):
+            notes.append(f"{row.label}: not fit-tested (it trains in fresh processes): {why}")
+        else:
+            row.fit = fit_test(make, batch, row.plan, options,
+                               progress=lambda text, label=row.label: stage.say(f"{label}: {text}"))
+        stage.done(row.label)
     return Report(
         rows=rows,
         device=str(device),
@@ -276,7 +290,8 @@ def plan_report(
             ``if __name__ == "__main__":``; otherwise rows run in this process, with a note.
         snapshot: on CUDA, write one memory snapshot per row, named ``<stem>.<row><suffix>``.
         progress: ``True`` for a bar on stderr (:class:`ProgressBar`), or a function, called as
-            ``progress(row_index, row_count, text)`` before each row.
+            ``progress(rows_done, row_count, text)`` as the rows start and as each one ends (and
+            as each fit test's rounds go), the text with the time left.
         name: what the report calls the model (the factory's or class's name by default).
         parallelize: ``model -> model``, called on each row's model after its plan is applied:
             ``fully_shard`` each block and the root, or wrap in DDP (see

@@ -191,7 +191,8 @@ def fit(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, plan:
     docstring): one probe without a cap, then rounds of up to ``at_once`` probes side by side
     (fewer where the GPU's free memory does not hold them), bisecting until the smallest cap that
     trained and the largest that did not are within ``resolution`` bytes (by default 1% of the
-    uncapped reservation, at least 16 MiB). ``progress`` gets a line per round.
+    uncapped reservation, at least 16 MiB). ``progress`` gets a line once the probe without a cap
+    has trained, and a line as each round starts.
 
     Raises ``RuntimeError`` if the configuration does not train even without a cap, or fails
     otherwise than by running out of memory.
@@ -212,6 +213,8 @@ def fit(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, plan:
     def at_once_now(passed: int) -> int:
         return max(1, min(at_once, int(torch.cuda.mem_get_info(device)[0] // (passed + PROCESS_MARGIN))))
 
+    if progress:
+        progress(f"fit: trained without a cap, reserving {free.reserved / MiB:.0f} MiB")
     resolution = resolution or max(16 * MiB, free.reserved // 100)
     probes = bisect(free, lambda caps: _run(make, plan, batch, options, caps, iterations), at_once_now,
                     resolution, progress)

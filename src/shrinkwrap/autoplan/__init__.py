@@ -60,6 +60,7 @@ from .._tree import tensors, tree_map
 from ..compare import Progress, describe_batch, measure_plans, progress_of
 from ..fit import ITERATIONS, Probe, trains_under
 from ..measuring.profile import LossFn, OptimizerFactory, Options
+from ..measuring.progress import Stage
 from ..measuring.ratios import CONFIDENCE, ratio_interval, slowdown_decided
 from ..measuring.step import device_name, resolve_device
 from ..plan import Plan
@@ -159,7 +160,9 @@ def autoplan(
             candidate once.
         progress: ``True`` for a bar on stderr (:class:`~shrinkwrap.ProgressBar`; a call takes
             seconds to minutes, more with ``compile``), or a function called as
-            ``progress(i, n, text)`` as each stage goes on.
+            ``progress(i, n, text)`` as each stage starts and as each of its items ends (a row
+            measured, a plan verified or compiled, a probe): ``i`` of the stage's ``n`` done, the
+            text the stage, the time left, and the item.
         compile: also try the plans compiled (stage 5 above): ``True`` for ``compile()``, or the
             compile step's text (``"compile(mode='max-autotune')"``). The answer may then end in
             ``compile()`` (or ``compile(memory_budget=0.6)``, the plan's recompute steps left to
@@ -232,13 +235,13 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
               progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
     make, batch, options, cuda = rows.make, rows.batch, rows.options, rows.cuda
     cands = candidates(probe, allow_lossy=allow_lossy, device=dev, budget=budget is not None, optimizer=options.optimizer)
-    if progress:
-        progress(0, len(cands) + rounds, "baseline and candidates")
+    stage = Stage(progress, "baseline", 1)
     # Candidates are compared with a baseline measured the same way (in this process unless asked
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
     # each in a fresh process on CUDA, or as fresh: first in this process, where nothing of it is
     # on the GPU yet (see rows.Rows).
     base = rows([Plan()], True)[0]
+    stage.done()
     if base.profile is None and base.status == "oom":
         raise RuntimeError(f"shrinkwrap: the model as it is runs out of memory at this batch ({base.error}), and "
                            "autoplan measures every plan against it: pass a batch it fits at (with a budget, "
@@ -256,7 +259,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
     if target is not None and base_mem <= target and maximize == "speed":
         report.notes = [f"baseline: {base_mem / 2**20:.1f} MiB within the budget of {target / 2**20:.1f} MiB: "
                         "the empty plan"]
-        checked, said = _under_cap([base], rows, target) if dev.type == "cuda" else (base, [])
+        checked, said = _under_cap([base], rows, target, progress) if dev.type == "cuda" else (base, [])
         report.notes += said
         if checked is not None:
             return Plan(), report
@@ -264,7 +267,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
     # A copy of the report without its rows reads rows: it travels to the processes ahead light.
     search = _Search(rows, probe, dataclasses.replace(report, rows=[], notes=[]).value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
-                     max_slowdown, tolerance)
+                     max_slowdown, tolerance, progress=progress)
 
     started = time.perf_counter()
     in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
@@ -282,10 +285,10 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
     chosen = in_base + search.search(priced, start_mem, start_t, None if search.by_memory else target)
     effects = in_base + effects
     measured = time.perf_counter()
-    tried = search.verify(list(chosen), in_base, in_base + priced, rounds, progress, len(cands), (start_mem, start_t))
+    tried = search.verify(list(chosen), in_base, in_base + priced, rounds, (start_mem, start_t))
     chosen = search.sets.get(str(search.final(tried).plan), chosen)  # what the verified answer is made of
     if compile_step is not None:
-        tried += search.compiled(tried, effects, start_mem, start_t, compile_step, progress)
+        tried += search.compiled(tried, effects, start_mem, start_t, compile_step)
     # Rows measured but not verified, this call's and the plans an earlier call with the same cache
     # verified, where one would beat the answer: measured as a chosen plan is (see undominated).
     earlier = _answerable(rows.cache, cands, compile_step, allow_lossy)
@@ -304,7 +307,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
             while left and len(order) < CAP_TRIES:
                 order.append(search.final(left))
                 left = [r for r in left if r is not order[-1]]
-            checked, notes = _under_cap(order, rows, target)
+            checked, notes = _under_cap(order, rows, target, progress)
             capped += notes
             cap_tried += len(order)
             if checked is not None or cap_tried >= CAP_ROUNDS * CAP_TRIES or not order:
@@ -315,7 +318,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
             search.target = aim
             try:
                 again = in_base + search.search(priced, start_mem, start_t, aim)
-                tried += search.verify(again, in_base, in_base + priced, rounds, progress, len(cands), (start_mem, start_t))
+                tried += search.verify(again, in_base, in_base + priced, rounds, (start_mem, start_t))
             finally:
                 search.target = target
         if checked is None:
@@ -371,7 +374,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
         for r in report.frontier()))
     report.notes = notes
     if maximize == "batch":
-        return final.plan, _largest_batch(make, final.plan, batch, target, report, options)
+        return final.plan, _largest_batch(make, final.plan, batch, target, report, options, progress)
     return final.plan, report
 
 
@@ -468,21 +471,26 @@ def _last_of_each(rows: list[Row]) -> list[Row]:
     return rows[:1] + [r for r in rows[1:] if last[str(r.plan)] is r and str(r.plan) != str(rows[0].plan)]
 
 
-def _under_cap(rows_in_order: list[Row], rows: Rows, cap: float) -> tuple[Row | None, list[str]]:
+def _under_cap(rows_in_order: list[Row], rows: Rows, cap: float, progress: Progress | None = None
+               ) -> tuple[Row | None, list[str]]:
     """The first of ``rows_in_order`` whose plan trains its first iterations on a fresh model in a
     fresh process whose allocator may reserve at most ``cap`` bytes (:func:`shrinkwrap.trains_under`),
     marked on the row, and a note per plan tried. (None, notes) where none does, or where the rows
-    cannot be sent to a fresh process (a note says so)."""
+    cannot be sent to a fresh process (a note says so). ``progress`` is told as each probe ends."""
     notes = []
     if rows.unsendable:  # read on CUDA, where this is called
         return rows_in_order[0] if rows_in_order else None, [
             f"not trained under the budget's cap (it trains in fresh processes): {rows.unsendable}"]
+    stage = Stage(progress if rows_in_order else None, f"training under the budget's cap of {cap / 2**20:.0f} MiB",
+                  len(rows_in_order))
     for row in rows_in_order:
         probe: Probe = trains_under(rows.make, rows.batch, int(cap), row.plan, rows.options_for(row.plan))
+        stage.done(f"{row.plan or 'the model as it is'} {'trained' if probe.ok else 'did not train'}")
         if probe.ok:
             row.trained_under = int(cap)
             notes.append(f"fits in {cap / 2**20:.0f} MiB: {row.plan or 'the model as it is'} trained {ITERATIONS} iterations "
                          f"under a {cap / 2**20:.0f} MiB cap (the allocator reserved at most {probe.reserved / 2**20:.0f} MiB)")
+            stage.end()
             return row, notes
         row.fits = False  # read within the budget, but not trained under its cap
         notes.append(f"{row.plan or 'the model as it is'} reads within the budget but did not train under a "
@@ -496,12 +504,14 @@ def scale_batch(batch: Any, n: int) -> Any:
 
 
 def _largest_batch(make: Callable[[], nn.Module], plan: Plan, batch: Any, target: float | None, report: Report,
-                   options: Options, tries: int = 8) -> Report:
+                   options: Options, progress: Progress | None = None, tries: int = 8) -> Report:
     first = next(tensors(batch))
     lo, hi = 0, None
     n = first.shape[0]
+    stage = Stage(progress, "the largest batch that fits", tries)
     for _ in range(tries):
         row = measure_plans(make, [plan], scale_batch(batch, n), options).rows[0]
+        stage.done(f"batch {n}")
         ok = row.profile is not None and target is not None and report.value(row) <= target
         row.role, row.batch_size, row.fits = "batch", n, ok
         report.rows.append(row)
@@ -513,6 +523,7 @@ def _largest_batch(make: Callable[[], nn.Module], plan: Plan, batch: Any, target
             n = (lo + n) // 2
         if hi is not None and hi - lo <= max(1, lo // 16) or n <= 0:
             break
+    stage.end()
     report.notes.append(f"largest batch that fits the budget: {lo} (plan: {plan})" if lo else
                         "no batch size fits the budget with this plan")
     return report

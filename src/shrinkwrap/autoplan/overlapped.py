@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..compare import Progress, warm_process
 from ..measuring import first_use
+from ..measuring.progress import Stage
 from ..measuring.step import resolve_device
 from ..plan import Plan
 from ..processes import PROCESS_MARGIN, FreshProcesses, compile_ahead
@@ -106,8 +107,8 @@ class OverlappedRows(Rows):
         plans = [p for p in plans if (str(p), False) not in self.cache]  # measured here already: compiled
         if len(plans) < 2:
             return {}, None
-        if progress:
-            progress(0, len(plans), f"compiling {len(plans)} plans ahead in processes side by side")
+        stage = Stage(progress, f"{len(plans)} plans compiled side by side in fresh processes"
+                      + ("" if step.mode == "reduce-overhead" else ", then each measured there"), len(plans))
         started = time.perf_counter()
         self.fresh.stop_next()  # their CUDA contexts are no room for a plan
         base = self.cache.get(("", True))
@@ -121,14 +122,16 @@ class OverlappedRows(Rows):
         def compiled(seconds: list[float]) -> None:
             compiling.append(time.perf_counter() - started)
             first.extend(s for s in seconds if not math.isnan(s))
-            if progress:
-                progress(0, len(plans), f"the last of {len(plans)} plans compiled after {compiling[0]:.1f} s; "
-                                        "measuring where they compiled, one at a time")
+            if not stage.i:  # one wave: the time left is the turns', not the compiling's
+                stage.restart()
+            stage.say(f"the last compiled after {compiling[0]:.1f} s; measuring each where it compiled, one at a time")
 
         at_once, out = compile_ahead(self.make, plans, self.batch, self.options_for(plans[0]), room,
                                      then=None if graphed else turn.row, compiled=compiled,
-                                     after=None if graphed else turn.timed)
+                                     after=None if graphed else turn.timed,
+                                     finished=lambda i: stage.done(str(plans[i])))
         if not at_once:
+            stage.end("fewer than two fit on the GPU at once: each compiles here instead")
             return {}, None
         there = {p: r for p, r in zip(plans, out) if isinstance(r, tuple)}
         # What failed there: a process's error, or a row's (a plan that failed to compile fails

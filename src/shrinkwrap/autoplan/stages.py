@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .._compat import aot_autograd_cache_counts
 from ..compare import Progress, as_row
+from ..measuring.progress import Stage
 from ..measuring.ratios import ratio_interval, timed_against, within_slowdown
 from ..plan import Plan
 from ..report import Row
@@ -73,6 +74,8 @@ class _Search:
     ahead: _Ahead | None = None  # the compile stage's plans compiled ahead
     # Regions not measured, each with its forward time and the room the time limit left (on_top)
     unmeasured: list = dataclasses.field(default_factory=list)
+    progress: Progress | None = None  # told as each stage's rows end (measuring.progress.Stage)
+    stage: Stage | None = None  # the stage measuring now: told of each round of a timing in turns
 
     def fits_time(self, row: Row) -> bool:
         """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
@@ -110,8 +113,19 @@ class _Search:
         decided on (times from separate processes drift 10-20% on a shared GPU)."""
         if self.max_t is None or str(plan) in self.ratios:
             return
+        say = None if self.stage is None else lambda text: self.stage.say(f"{text}: {plan}")  # the plan last: it is long
         self.ratios[str(plan)] = timed_against(self.rows.model(Plan()), self.rows.model(plan), self.rows.batch,
-                                               self.rows.options_for(plan), self.max_slowdown, self.tolerance)
+                                               self.rows.options_for(plan), self.max_slowdown, self.tolerance, say)
+
+    def counted(self, plans: list[Plan], isolate: bool, stage: Stage, names: list[str] | None = None) -> list[Row]:
+        """Rows for ``plans`` as :class:`~.rows.Rows` gives them, asked one plan at a time so that
+        ``stage`` is told as each row ends (a row is seconds to a minute; a stage, dozens), by its
+        name in ``names`` (by default its plan's text)."""
+        out = []
+        for i, plan in enumerate(plans):
+            out += self.rows([plan], isolate)
+            stage.done(names[i] if names else str(plan) or "baseline")
+        return out
 
     def measure_chosen(self, plan: Plan, isolate: bool = True, beside: list[Row] = ()) -> Row:
         """A plan autoplan may answer with: measured in a fresh process (on CUDA, unless ``isolate``
@@ -154,10 +168,13 @@ class _Search:
         usually) form the base that every other candidate is then measured on top of, so that what
         autocast does to a checkpoint's saving and cost is measured, not guessed. Returns the
         chosen effects, the rows, and the baseline measured as the candidates are."""
-        if self.rows.cuda and not self.isolate_candidates:
+        warm = self.rows.cuda and not self.isolate_candidates
+        stage = Stage(self.progress, "whole-model steps, each alone", (len(whole) if warm else 0) + 1 + len(whole))
+        if warm:
             for c in whole:
                 self.rows.warm_up(Plan(c.steps))
-        rows = self.rows([Plan()] + [Plan(c.steps) for c in whole], self.isolate_candidates)
+                stage.done(f"{Plan(c.steps)} warmed up")
+        rows = self.counted([Plan()] + [Plan(c.steps) for c in whole], self.isolate_candidates, stage)
         effects = _effects(whole, rows[1:], rows[0], self.metric)
         # Predictions start from the isolated baseline and add the measured deltas: the limits are
         # isolated figures, and a baseline measured in this process can read higher or lower.
@@ -180,21 +197,29 @@ class _Search:
         than that. The regions' price scale (:func:`_priced`) is then the median over the
         regions measured. Most of a convolutional model's candidates are regions, and at a tight
         limit none of them is the answer."""
-        if base_steps and self.rows.cuda and not self.isolate_candidates:
+        warm = bool(base_steps) and self.rows.cuda and not self.isolate_candidates
+        timing = any(c.covers for c in rest)
+        stage = Stage(self.progress, f"candidates on top of {Plan(base_steps) or 'the model as it is'}",
+                      warm + 1 + len(rest) + timing)
+        if warm:
             self.rows.warm_up(Plan(base_steps))  # every candidate is read against the base's row
+            stage.done(f"{Plan(base_steps)} warmed up")
         cached = getattr(self.rows, "cache", {})
         regions = [c for c in rest if c.covers and all(s.recomputes for s in c.steps)
                    and (str(Plan(base_steps + c.steps)), self.isolate_candidates and self.rows.cuda) not in cached]
         pruning = prune and self.max_t is not None and bool(regions)
         first = [c for c in rest if c not in regions] if pruning else rest
-        rows = self.rows([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in first], self.isolate_candidates)
+        rows = self.counted([Plan(base_steps)] + [Plan(base_steps + c.steps) for c in first], self.isolate_candidates,
+                            stage, ["the base"] + [str(c) for c in first])
         base = rows[0]
         if base.profile is None or baseline.profile is None:
             mem, t = self.base_mem, self.base_t
         else:
             mem = self.base_mem + self.metric(base) - self.metric(baseline)
             t = self.base_t + base.profile.step_ms - baseline.profile.step_ms
-        forward = self.rows.forward_ms(Plan(base_steps)) if any(c.covers for c in rest) else {}
+        forward = self.rows.forward_ms(Plan(base_steps)) if timing else {}
+        if timing:
+            stage.done("each module's forward timed")
         measured = dict(zip(map(id, first), rows[1:]))
         if pruning:
             won = sum(min(0.0, e.cost) for e in _effects(first, rows[1:], base, self.metric) if not e.error)
@@ -203,8 +228,9 @@ class _Search:
             dear = [c for c in regions if timed.get(id(c), 0.0) > room]
             self.unmeasured += [(c, timed[id(c)], room) for c in dear]
             left = [c for c in regions if c not in dear]
-            measured.update(zip(map(id, left), self.rows([Plan(base_steps + c.steps) for c in left],
-                                                         self.isolate_candidates)))
+            stage.recount(stage.n - len(dear))
+            measured.update(zip(map(id, left), self.counted([Plan(base_steps + c.steps) for c in left],
+                                                            self.isolate_candidates, stage, [str(c) for c in left])))
         kept = [c for c in rest if id(c) in measured]
         top = [measured[id(c)] for c in kept]
         # The plans verified in fresh processes are built on the base. Primed after the candidates'
@@ -225,7 +251,7 @@ class _Search:
         return (high if upper else ratio) * self.base_t
 
     def verify(self, chosen: list[Effect], in_base: list[Effect], effects: list[Effect], rounds: int,
-               progress: Progress | None, done: int, start: tuple[float, float] | None = None) -> list[Row]:
+               start: tuple[float, float] | None = None) -> list[Row]:
         """Stage 4: measure the chosen plan, in this process and, where it fits there, in a fresh
         one; refine where it misses.
 
@@ -255,11 +281,10 @@ class _Search:
         over: list[frozenset[str]] = []  # what the plans measured over the time limit covered (_covered)
         grow = self.target is None and not self.by_memory and self.max_t is not None
         start_mem, start_t = (self.base_mem, self.base_t) if start is None else start
+        stage = self.stage = Stage(self.progress, f"verifying, {rounds} rounds at most", rounds)
         for r in range(rounds):
             plan = _plan([e.candidate for e in chosen], self.model)
             self.sets.setdefault(str(plan), list(chosen))
-            if progress:
-                progress(done + r, done + rounds, f"verify {plan}")
             # Refined in this process (seconds: a copy of the model), answered from a fresh one (a
             # row there is mostly the process's start and first kernels).
             row = self.measure_chosen(plan, isolate=False)
@@ -273,6 +298,7 @@ class _Search:
                 nxt = []  # back into a set already over the time limit (more recompute only adds time)
             if not nxt and (self.fits(row) or self.by_memory):
                 row = self.measure_chosen(plan)
+            stage.done(str(plan))
             row.role, row.round = "chosen", r + 1
             tried.append(row)
             if nxt:
@@ -307,23 +333,29 @@ class _Search:
                 break
             chosen += nxt
         if tried and not self.least_memory and self.fits(tried[-1]):
-            tried += self._pruned(chosen, in_base, tried[-1], rounds)
+            tried += self._pruned(chosen, in_base, tried[-1], rounds, stage)
         finer = _finer(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen, self.model)
         plan = _plan([e.candidate for e in finer], self.model) if finer else None
         if plan is not None and plan not in {t.plan for t in tried}:
             self.sets.setdefault(str(plan), finer)
             row = self.measure_chosen(plan, isolate=False)
+            stage.done(f"{plan} (each region refined to blocks)")
             row.role, row.round = "chosen", 1 + max([r.round or 0 for r in tried])
             tried.append(row)
-        return self._fresh_answer(tried)
+        tried = self._fresh_answer(tried, stage)
+        stage.end()
+        self.stage = None
+        return tried
 
-    def _pruned(self, chosen: list[Effect], in_base: list[Effect], row: Row, rounds: int) -> list[Row]:
+    def _pruned(self, chosen: list[Effect], in_base: list[Effect], row: Row, rounds: int,
+                stage: Stage | None = None) -> list[Row]:
         """A plan that fits the budget, measured with its costliest candidate dropped, while what
         is left fits measured and the one dropped would leave it within the budget even if its
         own saving counted in full. Savings were added to choose the set; a peak moves when a
         region is added, so two regions can save more together than apart, and the sum then
         asks for a candidate the budget does not need (and its recompute time). The rows
-        measured here say; a set whose measured memory is what its sum said is not touched."""
+        measured here say; a set whose measured memory is what its sum said is not touched.
+        ``stage`` is told as each plan's row ends."""
         out: list[Row] = []
         last = row.round or 0
         for _ in range(rounds):
@@ -337,6 +369,8 @@ class _Search:
             plan = _plan([e.candidate for e in chosen], self.model)
             self.sets.setdefault(str(plan), list(chosen))
             row = self.measure_chosen(plan, isolate=False)
+            if stage:
+                stage.done(f"{plan} (its costliest candidate dropped)")
             last += 1
             row.role, row.round = "chosen", last
             out.append(row)
@@ -350,13 +384,14 @@ class _Search:
         return [e for e in _without(effects, chosen + dropped)
                 if not any(e.candidate.overlaps(c.candidate) for c in chosen)]
 
-    def _fresh_answer(self, tried: list[Row]) -> list[Row]:
+    def _fresh_answer(self, tried: list[Row], stage: Stage | None = None) -> list[Row]:
         """``tried`` with the answer's figures from a fresh process: a grown plan that fitted,
         followed by a larger one that did not, was measured in this process only (measured fresh
         now); one measured again after a drop has both rows (the fresh one kept). A fresh row
         that no longer fits (its process read more than this one) hands the answer on to the
         next best plan, which is measured fresh in turn: each plan once, so this ends. An answer over
-        the time limit but within the budget (:meth:`holds`) is measured fresh too."""
+        the time limit but within the budget (:meth:`holds`) is measured fresh too. ``stage`` is
+        told as each fresh row ends."""
         done: set[str] = set()
         while self.rows.cuda:
             best = self.final(tried)
@@ -364,6 +399,8 @@ class _Search:
                 break
             done.add(str(best.plan))
             fresh = self.measure_chosen(best.plan)  # from the cache where it was measured fresh already
+            if stage:
+                stage.done(f"{best.plan} (in a fresh process)")
             fresh.role, fresh.round = ("compiled" if best.role == "compiled" else "chosen"), best.round
             last = max(i for i, r in enumerate(tried) if r.plan == best.plan)
             tried = [fresh if i == last else r for i, r in enumerate(tried) if r.plan != best.plan or i == last]
@@ -390,6 +427,7 @@ class _Search:
         a fresh process and a timing in turns."""
         least_within = self.max_t is not None and self.least_memory
         asked: set[str] = set()
+        stage = None  # said once a row is to be verified: most calls verify none
         for _ in range(tries if self.speedups else 0):  # a CPU's step time decides nothing (see _search)
             best = self.final(tried)
             seen = {str(r.plan) for r in tried} | asked
@@ -408,17 +446,21 @@ class _Search:
                                 and self.fits_time(r)]
             if not better:
                 break
+            stage = self.stage = stage or Stage(self.progress, "verifying rows that could beat the answer", tries)
             row = self.measure_chosen(min(better, key=self.metric).plan)
+            stage.done(str(row.plan))
             asked.add(str(row.plan))
             if faster is None and not self.holds(best) and \
                     (row.profile is None or self.metric(row) > (1 - SAME_MEMORY) * mem):
                 continue  # read fresh, no less than the model as it is: the answer there, not among the rows
             row.role, row.round = "chosen", 1 + max([r.round or 0 for r in tried])
             tried = tried + [row]
+        if stage:
+            stage.end()
+        self.stage = None
         return tried
 
-    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan,
-                 progress: Progress | None = None) -> list[Row]:
+    def compiled(self, tried: list[Row], effects: list[Effect], mem: float, t: float, step: Plan) -> list[Row]:
         """Stage 5: the verified plan and the smallest set of candidates (whatever its eager time),
         each with ``step`` (a plan of one compile step) last, the verified plan's budgeted form
         (:func:`_budgeted`), and the smallest set's where it keeps a region, and the verified
@@ -444,12 +486,12 @@ class _Search:
         every = _every_block(final, step, self.model)  # the one-line recipe, compiled
         plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
-        there = self.compile_ahead(plans, step.steps[0], progress, tried)
+        there = self.compile_ahead(plans, step.steps[0], self.progress, tried)
         before = aot_autograd_cache_counts() if self.ahead else None
         rows = []
-        for i, plan in enumerate(plans):
-            if progress:
-                progress(i, len(plans), f"compiled: {plan}")
+        stage = self.stage = Stage(self.progress, "compiled plans" + (", each compiling here" if len(there) < len(plans)
+                                                                     else ""), len(plans))
+        for plan in plans:
             if plan in there:
                 result, matched, skipped, timings, _ = there[plan]
                 row = self.rows.cache[str(plan), True] = as_row(plan, result, matched, skipped, "compiled")
@@ -460,10 +502,10 @@ class _Search:
                 row = self.measure_chosen(plan, isolate=False, beside=tried + rows)
             row.role = "compiled"
             rows.append(row)
+            stage.done(str(plan))
         if before is not None:
             self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(aot_autograd_cache_counts(), before))
-        if progress:
-            progress(len(plans), len(plans), "compiled plans measured")
+        self.stage = None
         return rows
 
     def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None,

@@ -12,6 +12,7 @@ The files, one concern each:
 - ``ratios.py``: step-time ratios of plans timed in turns, and when they decide a limit.
 - ``modules.py``, ``saved.py``: the per-module log, the bytes saved for backward.
 - ``estimate.py``: the CUDA peak predicted on the CPU, ``indices.py`` the index ranges it checks; ``ranks.py``: profiles across ranks.
+- ``progress.py``: work in stages counted as each item ends, with the time left.
 
 Example::
 

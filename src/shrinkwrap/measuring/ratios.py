@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -97,12 +97,13 @@ def slowdown_decided(baseline: Timing, plan: Timing, max_slowdown: float, tolera
 
 
 def timed_against(baseline: nn.Module, plan: nn.Module, batch: Any, options: Options, max_slowdown: float,
-                  tolerance: float = 0.03) -> tuple[Timing, Timing]:
+                  tolerance: float = 0.03, progress: Callable[[str], None] | None = None) -> tuple[Timing, Timing]:
     """``baseline`` and ``plan`` (two models) timed in turns (:func:`time_interleaved`): five
     rounds of :data:`PER_ROUND` iterations each, then one at a time until they decide
     ``max_slowdown`` (:func:`slowdown_decided`), :data:`MAX_ROUNDS` at most. The timings a
-    step-time limit is decided on, baseline's first."""
+    step-time limit is decided on, baseline's first. ``progress`` gets a line as each round ends."""
     timings = time_interleaved(
         {"baseline": baseline, "plan": plan}, batch, options, rounds=5, per_round=PER_ROUND,
-        until=lambda t: slowdown_decided(t["baseline"], t["plan"], max_slowdown, tolerance), max_rounds=MAX_ROUNDS)
+        until=lambda t: slowdown_decided(t["baseline"], t["plan"], max_slowdown, tolerance), max_rounds=MAX_ROUNDS,
+        progress=None if progress is None else lambda r: progress(f"timed in turns, round {r} of 5 to {MAX_ROUNDS}"))
     return timings["baseline"], timings["plan"]

@@ -20,7 +20,8 @@ from .step import setup_iteration, _timed, resolve_device
 def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
                      rounds: int = 5, per_round: int = 3,
                      until: Callable[[dict[str, Timing]], bool] | None = None,
-                     max_rounds: int | None = None) -> dict[str, Timing]:
+                     max_rounds: int | None = None, progress: Callable[[int], None] | None = None
+                     ) -> dict[str, Timing]:
     """Time the training iteration of several models in turns (A B C, B C A, ...) in this process.
 
     Step times on a shared GPU drift between processes and over minutes (docs/measuring.md,
@@ -30,7 +31,8 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
     afterwards, as by :func:`~.step.measure`.
     With ``until``, rounds go on one at a time after the first ``rounds`` while ``until(timings so
     far)`` is false, up to ``max_rounds`` in all (which ``until`` needs): as many repeats as a
-    decision needs.
+    decision needs. ``progress(r)`` is called as each round ``r`` (from 1) ends: a decision can
+    take many rounds of a slow model.
 
     Example::
 
@@ -58,6 +60,8 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
             for name in names[r % len(names):] + names[: r % len(names)]:  # a new first each round
                 out[name].append(statistics.mean(_timed(steps[name], device, per_round)))
             r += 1
+            if progress:
+                progress(r)
     return timings()
 
 

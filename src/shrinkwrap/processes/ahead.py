@@ -160,7 +160,8 @@ def _processes_fitting(device: torch.device, room: int | None) -> int | None:
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None, then: Callable | None = None,
                   compiled: Callable[[list[float]], None] | None = None,
-                  after: Callable | None = None) -> tuple[int, list[Any]]:
+                  after: Callable | None = None, finished: Callable[[int], None] | None = None
+                  ) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
     what they compile is in the compiler's on-disk caches (inductor's FX graphs and kernels,
     AOTAutograd's joint graphs) before this process compiles the same plans. Returns how many
@@ -189,6 +190,9 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     earlier wave's first). It returns the plan's entry and the number it leaves for the later
     ones (a turn can depend on what the earlier ones found: a plan outdone by one before it need
     not be timed).
+
+    ``finished(i)`` (which must not raise) is called here as plan ``i``'s entry arrives: its
+    process's last turn ended (or without ``then``, its first iterations).
 
     ``room``: the device memory one plan's row takes at its peak (each process holds a model, its
     optimizer state and a step's activations, and its own CUDA context besides, counted here as
@@ -261,6 +265,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                     if turns is not None:
                         turns.broken.value = 1  # the others' turns never come: they end without one
                 stopped.append(stop_pool(pool))
+                if finished is not None:
+                    finished(i)
     except Exception as exc:  # noqa: BLE001 - a process that cannot start: this process compiles the rest itself
         for i, _ in waiting + list(running.values()):
             out[i] = first_error_line(exc)
