@@ -166,7 +166,7 @@ REFUSED = {  # name: (call, error, what the message says after "shrinkwrap: ")
     **{f"autoplan(tolerance={v!r})": ((lambda v=v: ap(tolerance=v)), error, "autoplan() takes tolerance= a finite "
                                       "number of 0 or more")
        for v, error in ((-0.1, ValueError), (nan, ValueError), (inf, ValueError), (True, TypeError),
-                        ("0.03", TypeError))},
+                        ("0.03", TypeError), (3, ValueError))},  # 3 for 3%: a limit four times max_slowdown
     **{f"autoplan({k}={v!r})": ((lambda k=k, v=v: ap(**{k: v})), error, f"autoplan() takes {k}= an int of at least 1")
        for k, v, error in (("rounds", 0, ValueError), ("rounds", -1, ValueError), ("rounds", 1.5, TypeError),
                            ("rounds", True, TypeError), ("rounds", "4", TypeError), ("iterations", 0, ValueError),
@@ -247,6 +247,8 @@ REFUSED = {  # name: (call, error, what the message says after "shrinkwrap: ")
     "select(outermost=1)": (lambda: sw.select(mlp(), "0", outermost=1), TypeError, "select() takes outermost="),
     "select(allow_empty='yes')": (lambda: sw.select(mlp(), "0", allow_empty="yes"), TypeError,
                                   "select() takes allow_empty="),
+    "offload_traffic(reset=1)": (lambda: sw.offload_traffic(mlp(), reset=1), TypeError,
+                                 "offload_traffic() takes reset= True or False"),
     "ProgressBar(quiet='no')": (lambda: sw.ProgressBar("no"), TypeError, "ProgressBar() takes quiet= True or False"),
     "checkpoint(3)": (lambda: sw.checkpoint(3), SelectionError, "cannot select modules with 3"),
     "checkpoint(None)": (lambda: sw.checkpoint(None), SelectionError, "cannot select modules with None"),

@@ -107,15 +107,18 @@ def count(value: Any, where: str, name: str, least: int = 1, none: bool = False)
     return int(value)
 
 
-def positive(value: Any, where: str, name: str, zero: bool = False, none: bool = False, what: str = "") -> float | None:
-    """``value``, a finite number above 0 (or at least 0 where ``zero``; ``None`` too where
-    ``none``), as a float, or raise. ``what`` says what the number means, for the message."""
+def positive(value: Any, where: str, name: str, zero: bool = False, none: bool = False, below: float | None = None,
+             what: str = "") -> float | None:
+    """``value``, a finite number above 0 (or at least 0 where ``zero``; under ``below`` where
+    given; ``None`` too where ``none``), as a float, or raise. ``what`` says what the number
+    means, for the message."""
     if value is None and none:
         return None
-    takes = f"{name}= a finite number {'of 0 or more' if zero else 'above 0'}{what}" + (" or None" if none else "")
+    bounds = ("of 0 or more" if zero else "above 0") + (f" and below {below:g}" if below is not None else "")
+    takes = f"{name}= a finite number {bounds}{what}" + (" or None" if none else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(wrong(where, takes, value))
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or (below is not None and value >= below):
         raise ValueError(wrong(where, takes, value))
     return float(value)
 
@@ -145,15 +148,15 @@ def function(value: Any, where: str, name: str, takes: str) -> Any:
 MIB = 2**20
 
 
-def byte_count(value: Any, where: str, name: str, text: bool = False, other: str = "") -> int:
+def byte_count(value: Any, where: str, name: str, as_text: bool = False, other: str = "") -> int:
     """``value``, a number of bytes (an int of at least 1 MiB), or raise. An int under 1 MiB is
     surely not meant as bytes (``budget=2``: 2 GiB meant); the message names what to write: the
-    size as text where ``text`` (the argument reads ``'2GiB'``), and ``other`` readings it has
-    (``" or a fraction of the baseline such as 0.5"``)."""
+    size as text where ``as_text`` (the argument reads ``'2GiB'``), and ``other`` readings it has
+    (``", or a fraction of the baseline such as 0.5"``)."""
     count(value, where, name)
     if value < MIB:
-        ways = ([f"{name}='{value}GiB'"] * text + [f"{value} * 2**30"] if value < 2**10 else
-                [f"the size with its unit, {name}='4GiB'"] * text + ["4 * 2**30 for 4 GiB"])
+        ways = ([f"{name}='{value}GiB'"] * as_text + [f"{value} * 2**30"] if value < 2**10 else
+                [f"the size with its unit, {name}='4GiB'"] * as_text + ["4 * 2**30 for 4 GiB"])
         raise ValueError(f"shrinkwrap: {where} {name}={value} reads as {value} byte{'s' * (value != 1)}, less than "
                          f"1 MiB: write {', '.join(ways)}{other}")
     return int(value)

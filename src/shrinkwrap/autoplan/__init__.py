@@ -111,7 +111,7 @@ def parse_budget(budget: Budget, baseline: float) -> float | None:
         raise ValueError(f"shrinkwrap: a budget is a positive finite size, got {budget!r}; write e.g. '4GiB', or "
                          "0.5 for half the baseline" + (", or leave it out (None) for none" if budget > 0 else ""))
     if isinstance(budget, numbers.Integral):
-        return float(byte_count(budget, "autoplan()", "budget", text=True,
+        return float(byte_count(budget, "autoplan()", "budget", as_text=True,
                                 other=", or a fraction of the baseline such as 0.5"))
     if budget > 1:
         bytes_as = f"'{budget / 2**30:.3g}GiB' or {int(budget)}" if budget >= 2**20 else f"'{budget:g}GiB'"
@@ -145,10 +145,11 @@ def autoplan(
     Args:
         model_or_factory: a function returning a fresh model, or a model (copied, never changed).
         batch: as :func:`shrinkwrap.measure`.
-        budget: bytes, a string such as ``"4GiB"``, or a fraction of the baseline (``0.5``). The
-            memory is the CUDA peak, or without CUDA the bytes saved for backward.
+        budget: bytes (an int of at least 1 MiB), a string such as ``"4GiB"``, or a fraction of
+            the baseline (``0.5``): see :func:`parse_budget`. The memory is the CUDA peak, or
+            without CUDA the bytes saved for backward.
         max_slowdown: the most step time allowed, as a multiple of the baseline's (``1.0``: no
-            slower). Without a budget: the least memory within this limit.
+            slower; below 1, faster). Without a budget: the least memory within this limit.
         allow_lossy: also try lossy steps (``autocast(bfloat16)``).
         maximize: ``"speed"`` (default), or ``"batch"``: the largest batch (scaling ``batch`` along
             its first dimension) that fits ``budget`` with the least-memory plan within
@@ -196,7 +197,8 @@ def autoplan(
     parse_budget(budget, 1.0)
     positive(max_slowdown, "autoplan()", "max_slowdown", none=True,
              what=", the baseline's step time times this (1.2: at most 20% slower; below 1: faster)")
-    positive(tolerance, "autoplan()", "tolerance", zero=True, what=", a fraction of max_slowdown (0.03)")
+    positive(tolerance, "autoplan()", "tolerance", zero=True, below=1,
+             what=", a fraction of max_slowdown (0.03: 3% over it still counts as within)")
     count(rounds, "autoplan()", "rounds")
     count(warmup, "autoplan()", "warmup", none=True)
     for key, value in (("allow_lossy", allow_lossy), ("isolate_candidates", isolate_candidates)):

@@ -62,7 +62,7 @@ import torch.nn as nn
 from .. import _compat
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, refuse_functorch
-from ..select import Pattern, block_groups, require_module
+from ..select import Pattern, block_groups, flag, require_module
 from ..step import Step, Targets
 
 MiB = 1 << 20
@@ -278,6 +278,7 @@ def offload_traffic(model: nn.Module, reset: bool = False) -> Traffic:
         >>> loss.backward(); print(sw.offload_traffic(model, reset=True).offloaded)
     """
     total = Traffic()
+    flag(reset, "offload_traffic()", "reset")
     for m in require_module(model, "offload_traffic()").modules():
         if isinstance(m, OffloadModule):
             total = total + m.traffic
