@@ -288,7 +288,7 @@ def test_the_baseline_runs_in_this_process_only_while_nothing_of_it_is_on_the_gp
     rows.close()
 
 
-@pytest.mark.parametrize("budget", [0.45, 16])
+@pytest.mark.parametrize("budget", [0.45, "16B"])
 @pytest.mark.parametrize("cuda_started", [True, False])
 def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_measured_fresh(budget, cuda_started,
                                                                                           monkeypatch):
@@ -325,7 +325,7 @@ def test_chosen_plans_are_refined_in_this_process_and_only_one_that_fits_is_meas
     assert measured[0] == ("", cuda_started) and measured.count(("", False)) == 1
     assert ("baseline first in this process" in report.isolation) is not cuda_started
     baseline = [""] if cuda_started else []
-    if budget == 16:   # 16 bytes: none fits, none goes to a fresh process
+    if budget == "16B":   # 16 bytes: none fits, none goes to a fresh process
         assert fresh == baseline
     else:
         # The answer, and any row that read faster in as little memory (verified the same way).

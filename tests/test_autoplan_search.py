@@ -48,7 +48,7 @@ def test_a_model_whose_swish_follows_batchnorm_answers_an_unreachable_budget():
         block = lambda: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), Naive())  # noqa: E731
         return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(block(), block(), block()), nn.Flatten())
 
-    plan, report = sw.autoplan(make, torch.randn(4, 3, 8, 8), budget=1, **FAST)  # 1 byte: unreachable
+    plan, report = sw.autoplan(make, torch.randn(4, 3, 8, 8), budget="1B", **FAST)  # 1 byte: unreachable
     assert "no plan found within the limits" in " ".join(report.notes)
     model = sw.apply(make(), plan)
     model(torch.randn(4, 3, 8, 8)).sum().backward()

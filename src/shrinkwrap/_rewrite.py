@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .select import Pattern, SelectionError, require_module, select
+from .select import Pattern, SelectionError, count, require_module, select
 
 _RECORDS = "_shrinkwrap_records"
 
@@ -280,6 +280,7 @@ def revert(model: nn.Module, keep: int = 0) -> nn.Module:
         >>> sw.revert(model)   # model.layer1 is the original Sequential again
     """
     recs = records(require_module(model, "revert()"))
+    count(keep, "revert()", "keep", least=0)
     if len(recs) > keep:
         # fully_shard hooked the wrappers it was given: without them, those modules would run
         # their forward on sharded parameters (an error in the first forward).

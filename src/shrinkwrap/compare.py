@@ -30,10 +30,11 @@ import torch.nn as nn
 
 from . import _rewrite
 from ._tree import tensors, tree_map
-from .measuring.profile import LossFn, OptimizerFactory, Options, Profile
+from .measuring.profile import LossFn, OptimizerFactory, Options, Profile, check_options
 from .measuring.progress import Progress, Stage
 from .measuring.ranks import rank_and_world
-from .measuring.step import clean_device, setup_iteration, device_name, measure_with, numbered, resolve_device
+from .measuring.step import (clean_device, setup_iteration, device_name, measure_with, numbered, require_batch,
+                             resolve_device)
 from .plan import Plan, PlanLike, as_plan
 from .fit import fit as fit_test
 from .processes import FreshProcesses, model_maker
@@ -41,6 +42,7 @@ from .processes.copies import build_model, ModelCopies
 from .processes.fresh import first_error_line
 from .processes.sendable import why_unsendable
 from .report import Report, Row
+from .select import flag, function, text
 
 Parallelize = Callable[[nn.Module], nn.Module]
 
@@ -58,7 +60,7 @@ class ProgressBar:
     """
 
     def __init__(self, quiet: bool = False) -> None:
-        self.quiet, self.tty = quiet, sys.stderr is not None and sys.stderr.isatty()
+        self.quiet, self.tty = flag(quiet, "ProgressBar()", "quiet"), sys.stderr is not None and sys.stderr.isatty()
 
     def __call__(self, i: int, n: int, label: str) -> None:
         if self.quiet or sys.stderr is None:  # pythonw, some services: no stderr to draw on
@@ -314,6 +316,13 @@ def plan_report(
     plan = as_plan(plan, "plan_report()")
     progress = progress_of(progress)
     make = model_maker(model_or_factory, "plan_report()")
+    require_batch(batch, "plan_report()")
+    check_options("plan_report()", loss_fn, optimizer, iterations, warmup, device)
+    for key, value in (("isolate", isolate), ("fit", fit)):
+        flag(value, "plan_report()", key, none=True)
+    text(snapshot, "plan_report()", "snapshot", "a path (a str)")
+    text(name, "plan_report()", "name")
+    function(parallelize, "plan_report()", "parallelize", "a function model -> model")
     options = Options(loss_fn, optimizer, iterations, warmup, device)
     if plan.steps:
         dev = resolve_device(device)

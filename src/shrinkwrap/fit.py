@@ -38,9 +38,10 @@ from .processes.copies import build_model
 from .processes.fresh import end_pool, first_error_line, stop_pool
 from .processes.sendable import why_unsendable
 from .measuring.graphs import graph_pool_bytes
-from .measuring.profile import Options
-from .measuring.step import setup_iteration, device_name, resolve_device
+from .measuring.profile import Options, require_options
+from .measuring.step import require_batch, setup_iteration, device_name, resolve_device
 from .plan import Plan, PlanLike, as_plan
+from .select import count, function, positive
 
 MiB = 2**20
 ITERATIONS = 8  # a warm-up, compilation and CUDA graph recording happen in the first three or four
@@ -159,7 +160,8 @@ def _prepare(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
              where: str) -> tuple[Callable[[], nn.Module], Plan, Any, Options]:
     make = model_maker(model_or_factory, where)
     plan = as_plan(plan, where)
-    device = resolve_device(options.device)
+    require_batch(batch, where)
+    device = resolve_device(require_options(options, where).device)
     if device.type != "cuda":
         raise ValueError(f"shrinkwrap: {where} caps the CUDA allocator; it needs a CUDA device, not {device}")
     options = dataclasses.replace(options, device=str(device))
@@ -180,6 +182,8 @@ def trains_under(model_or_factory: nn.Module | Callable[[], nn.Module], batch: A
         >>> sw.trains_under(make, batch, 8 * 2**30, "checkpoint(r'layers\\\\.\\\\d+')").ok
         True
     """
+    positive(cap, "trains_under()", "cap", what=", bytes (8 * 2**30 for 8 GiB)")
+    count(iterations, "trains_under()", "iterations")
     make, plan, batch, options = _prepare(model_or_factory, batch, plan, options, "trains_under()")
     return _run(make, plan, batch, options, [int(cap)], iterations)[0]
 
@@ -202,6 +206,10 @@ def fit(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, plan:
         >>> f = sw.fit(make, batch, "checkpoint(r'layer[1-4]'), autocast(torch.bfloat16)")
         >>> f.cap / 2**20, f.uncapped.allocated / 2**20
     """
+    count(iterations, "fit()", "iterations")
+    count(resolution, "fit()", "resolution", none=True)
+    count(at_once, "fit()", "at_once")
+    function(progress, "fit()", "progress", "a function called with a line per round")
     make, plan, batch, options = _prepare(model_or_factory, batch, plan, options, "fit()")
     device = torch.device(options.device)
     start = time.perf_counter()

@@ -11,14 +11,17 @@ A pattern is one of:
 The root module (name ``""``) is never selected. Shrinkwrap's own wrappers are seen through: a
 checkpointed ``BasicBlock`` still matches ``BasicBlock``.
 
-This module also holds the argument check of every public function (:func:`require_module`,
-:func:`wrong`): it is the bottom of the imports, so every layer above can use the one check.
+This module also holds the argument checks every public function shares (:func:`require_module`,
+:func:`wrong`; a count, a positive number, a flag, a function, a byte count): it is the bottom of
+the imports, so every layer above can use the one check.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import math
+import numbers
 import reprlib
 from typing import Any, Callable, Sequence, Union
 
@@ -80,6 +83,85 @@ def require_module(obj: Any, where: str) -> nn.Module:
     return obj
 
 
+# The checks of numbers and flags. A bool is refused wherever a number is meant (True would read
+# as 1), a float wherever an int is (2.5 iterations would be truncated, or fail deep inside), and
+# nan and inf wherever a limit is (every comparison with nan is false: a limit that never holds).
+# A wrong type is a TypeError, a number out of range a ValueError; both name the argument.
+
+
+def count(value: Any, where: str, name: str, least: int = 1, none: bool = False) -> int | None:
+    """``value``, an int of at least ``least`` (``None`` too where ``none``), or raise.
+
+    Example::
+
+        >>> count(1.5, "measure()", "iterations")
+        TypeError: shrinkwrap: measure() takes iterations= an int of at least 1; got float 1.5
+    """
+    if value is None and none:
+        return None
+    takes = f"{name}= an int of at least {least}" + (" or None" if none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(wrong(where, takes, value))
+    if value < least:
+        raise ValueError(wrong(where, takes, value))
+    return int(value)
+
+
+def positive(value: Any, where: str, name: str, zero: bool = False, none: bool = False, below: float | None = None,
+             what: str = "") -> float | None:
+    """``value``, a finite number above 0 (or at least 0 where ``zero``; under ``below`` where
+    given; ``None`` too where ``none``), as a float, or raise. ``what`` says what the number
+    means, for the message."""
+    if value is None and none:
+        return None
+    bounds = ("of 0 or more" if zero else "above 0") + (f" and below {below:g}" if below is not None else "")
+    takes = f"{name}= a finite number {bounds}{what}" + (" or None" if none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(wrong(where, takes, value))
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or (below is not None and value >= below):
+        raise ValueError(wrong(where, takes, value))
+    return float(value)
+
+
+def flag(value: Any, where: str, name: str, none: bool = False) -> bool | None:
+    """``value``, True or False (``None`` too where ``none``), or raise: ``"no"`` or ``1`` would
+    read as True."""
+    if not (isinstance(value, bool) or (value is None and none)):
+        raise TypeError(wrong(where, f"{name}= " + ("True, False or None" if none else "True or False"), value))
+    return value
+
+
+def text(value: Any, where: str, name: str, what: str = "a str") -> str | None:
+    """``value``, a str or ``None``, or raise."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(wrong(where, f"{name}= {what} or None", value))
+    return value
+
+
+def function(value: Any, where: str, name: str, takes: str) -> Any:
+    """``value``, a callable or ``None``, or raise: an optimizer made already, not a factory, say."""
+    if value is not None and not callable(value):
+        raise TypeError(wrong(where, f"{name}= {takes} or None", value))
+    return value
+
+
+MIB = 2**20
+
+
+def byte_count(value: Any, where: str, name: str, as_text: bool = False, other: str = "") -> int:
+    """``value``, a number of bytes (an int of at least 1 MiB), or raise. An int under 1 MiB is
+    surely not meant as bytes (``budget=2``: 2 GiB meant); the message names what to write: the
+    size as text where ``as_text`` (the argument reads ``'2GiB'``), and ``other`` readings it has
+    (``", or a fraction of the baseline such as 0.5"``)."""
+    count(value, where, name)
+    if value < MIB:
+        ways = ([f"{name}='{value}GiB'"] * as_text + [f"{value} * 2**30"] if value < 2**10 else
+                [f"the size with its unit, {name}='4GiB'"] * as_text + ["4 * 2**30 for 4 GiB"])
+        raise ValueError(f"shrinkwrap: {where} {name}={value} reads as {value} byte{'s' * (value != 1)}, less than "
+                         f"1 MiB: write {', '.join(ways)}{other}")
+    return int(value)
+
+
 def describe(pattern: Pattern) -> str:
     """A short human-readable form of a pattern, for messages and reports."""
     if isinstance(pattern, str):
@@ -117,6 +199,12 @@ def _matcher(pattern: Pattern) -> Callable[[nn.Module, str], bool]:
     )
 
 
+def check_pattern(pattern: Pattern) -> None:
+    """Raise :class:`SelectionError` for a pattern no model could be selected with (a wrong type, an
+    invalid regex), before a model is at hand: a step made with one fails where it is written."""
+    _matcher(pattern)
+
+
 def _close_names(pattern: Pattern, names: list[str], n: int = 5) -> list[str]:
     key = pattern if isinstance(pattern, str) else describe(pattern)
     close = difflib.get_close_matches(key, names, n=n, cutoff=0.3)
@@ -140,6 +228,8 @@ def select(
         ['layer1', 'layer2']
     """
     require_module(model, "select()")
+    flag(outermost, "select()", "outermost")
+    flag(allow_empty, "select()", "allow_empty")
     match = _matcher(pattern)
     names: list[str] = []
     chosen: list[str] = []

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _rewrite
-from .select import lies_inside, require_module, wrong
+from .select import check_pattern, lies_inside, require_module, wrong
 
 _STEPS: dict[str, type["Step"]] = {}
 
@@ -134,6 +134,8 @@ class Step:
             value = getattr(self, f.name)
             if what is not None and not what[1](value):
                 raise TypeError(wrong(f"{self.name}()", f"{f.name}= {what[0]}", value))
+            if f.type in ("Pattern", "Pattern | None") and (value is not None or f.default is dataclasses.MISSING):
+                check_pattern(value)  # an invalid regex or a pattern of the wrong type, where the step is written
 
     # -- what a step implements ----------------------------------------------------------------
     def targets(self, model: nn.Module) -> Targets:  # pragma: no cover - abstract
@@ -234,7 +236,7 @@ def _number(v: Any) -> bool:
 
 # The field annotations a step's arguments are checked against (the text of the annotation, as
 # `from __future__ import annotations` keeps it): what the message says it takes, and the check.
-# Patterns are checked by the selection (select.py); other fields by the step itself.
+# Patterns are checked by the selection (select.py: check_pattern); other fields by the step itself.
 _KINDS: dict[str, tuple[str, Any]] = {
     "bool": ("True or False", lambda v: isinstance(v, bool)),
     "bool | None": ("True, False or None", lambda v: v is None or isinstance(v, bool)),

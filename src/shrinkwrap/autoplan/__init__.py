@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import re
 import time
 from typing import Any, Callable, Union
@@ -59,13 +60,14 @@ import torch.nn as nn
 from .._tree import tensors, tree_map
 from ..compare import Progress, describe_batch, measure_plans, progress_of
 from ..fit import ITERATIONS, Probe, trains_under
-from ..measuring.profile import LossFn, OptimizerFactory, Options
+from ..measuring.profile import LossFn, OptimizerFactory, Options, check_options
 from ..measuring.progress import Stage
 from ..measuring.ratios import CONFIDENCE, ratio_interval, slowdown_decided
-from ..measuring.step import device_name, resolve_device
+from ..measuring.step import device_name, require_batch, resolve_device
 from ..plan import Plan
 from ..processes import model_maker
 from ..report import Report, Row
+from ..select import byte_count, count, flag, got, positive, wrong
 from .choose import Effect, candidates, _priced, _effect_notes
 from .compiled import _Ahead, _compile_step
 from .overlapped import OverlappedRows
@@ -79,34 +81,44 @@ CAP_ROUNDS = 3  # times the search aims lower before autoplan answers with no pl
 # eager plan trains under a cap a few percent over its reading, and an answer read a few percent
 # under its budget may not train under it (benchmarks/RESULTS.md, "What fits").
 HEADROOM = 0.08
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
 
 
 def parse_budget(budget: Budget, baseline: float) -> float | None:
-    """Bytes from an int (``8_000_000_000``) or a size with its unit (``"8GiB"``, ``"500MB"``, ``"100B"``),
-    or a fraction of ``baseline`` from a number in (0, 1] (``0.5``, ``"0.5"``). A number above 1
-    without a unit (``1.5``, ``"1.5"``) is refused: as bytes it would be nothing, as a fraction
-    more than the baseline; the message names both readings."""
+    """Bytes from an int of at least 1 MiB (``8_000_000_000``) or a size with its unit (``"8GiB"``,
+    ``"500MB"``, ``"100B"``, ``"1TiB"``), or a fraction of ``baseline`` from a number in (0, 1]
+    (``0.5``, ``"0.5"``). Refused, each with what to write: an int under 1 MiB (``budget=2`` is
+    surely not 2 bytes), a number above 1 without a unit (``1.5``, ``"1.5"``: as bytes it would be
+    nothing, as a fraction more than the baseline), a bool, nan, inf, 0 and below, and text it
+    cannot read (``"8G"``); text that reads as a number (``"1e9"``) is that number."""
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+    if isinstance(budget, bool) or not isinstance(budget, (numbers.Real, str)):
         raise TypeError(f"shrinkwrap: a budget is bytes (an int, or text such as '8GiB') or a fraction of the "
-                        f"baseline (0.5); got {budget!r}")
+                        f"baseline (0.5); got {got(budget)}")
     if isinstance(budget, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?\s*", budget.lower())
-        if not m:
-            raise ValueError(f"shrinkwrap: cannot read budget {budget!r}; write e.g. '4GiB', '500MB' or 0.5")
-        if m.group(2):
-            return float(m.group(1)) * _UNITS[m.group(2)]
-        budget = float(m.group(1))
-    if budget <= 0:
-        raise ValueError(f"shrinkwrap: a budget must be positive, got {budget!r}")
-    if isinstance(budget, float):
-        if budget > 1:
-            raise ValueError(f"shrinkwrap: budget {budget!r} has no unit: a fraction of the baseline's memory is at "
-                             f"most 1, and bytes need a unit: write e.g. '{budget:g}GiB', or 0.5 for half the baseline")
-        return budget * baseline
-    return float(budget)
+        m = re.fullmatch(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([kmgt]i?b|b)?\s*", budget.lower())
+        if m and m.group(2):
+            size = float(m.group(1)) * _UNITS[m.group(2)]
+            if size <= 0:
+                raise ValueError(f"shrinkwrap: a budget must be positive, got {budget!r}")
+            return size
+        try:  # text Python reads as a number ('0.5', '1e9', 'inf') is read as that number
+            budget = float(m.group(1) if m else budget)
+        except ValueError:
+            raise ValueError(f"shrinkwrap: cannot read budget {budget!r}; write e.g. '4GiB', '500MB' or 0.5") from None
+    if not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"shrinkwrap: a budget is a positive finite size, got {budget!r}; write e.g. '4GiB', or "
+                         "0.5 for half the baseline" + (", or leave it out (None) for none" if budget > 0 else ""))
+    if isinstance(budget, numbers.Integral):
+        return float(byte_count(budget, "autoplan()", "budget", as_text=True,
+                                other=", or a fraction of the baseline such as 0.5"))
+    if budget > 1:
+        bytes_as = f"'{budget / 2**30:.3g}GiB' or {int(budget)}" if budget >= 2**20 else f"'{budget:g}GiB'"
+        raise ValueError(f"shrinkwrap: budget {budget!r} has no unit: a fraction of the baseline's memory is at "
+                         f"most 1, and bytes need a unit: write e.g. {bytes_as}, or 0.5 for half the baseline")
+    return budget * baseline
 
 
 def autoplan(
@@ -134,10 +146,11 @@ def autoplan(
     Args:
         model_or_factory: a function returning a fresh model, or a model (copied, never changed).
         batch: as :func:`shrinkwrap.measure`.
-        budget: bytes, a string such as ``"4GiB"``, or a fraction of the baseline (``0.5``). The
-            memory is the CUDA peak, or without CUDA the bytes saved for backward.
+        budget: bytes (an int of at least 1 MiB), a string such as ``"4GiB"``, or a fraction of
+            the baseline (``0.5``): see :func:`parse_budget`. The memory is the CUDA peak, or
+            without CUDA the bytes saved for backward.
         max_slowdown: the most step time allowed, as a multiple of the baseline's (``1.0``: no
-            slower). Without a budget: the least memory within this limit.
+            slower; below 1, faster). Without a budget: the least memory within this limit.
         allow_lossy: also try lossy steps (``autocast(bfloat16)``).
         maximize: ``"speed"`` (default), or ``"batch"``: the largest batch (scaling ``batch`` along
             its first dimension) that fits ``budget`` with the least-memory plan within
@@ -181,19 +194,36 @@ def autoplan(
         >>> plan, report = sw.autoplan(make_model, batch, budget=0.6, max_slowdown=1.3, progress=True)
         >>> print(report); sw.apply(model, plan)
     """
+    # Every argument is checked before anything is measured: a misread one costs minutes.
     if budget is None and max_slowdown is None:
         raise ValueError("shrinkwrap: autoplan needs a budget, a max_slowdown, or both")
+    parse_budget(budget, 1.0)
+    positive(max_slowdown, "autoplan()", "max_slowdown", none=True,
+             what=", the baseline's step time times this (1.2: at most 20% slower; below 1: faster)")
+    positive(tolerance, "autoplan()", "tolerance", zero=True, below=1,
+             what=", a fraction of max_slowdown (0.03: 3% over it still counts as within)")
+    count(rounds, "autoplan()", "rounds")
+    count(warmup, "autoplan()", "warmup", none=True)
+    for key, value in (("allow_lossy", allow_lossy), ("isolate_candidates", isolate_candidates)):
+        flag(value, "autoplan()", key)
+    if cache is not None and not isinstance(cache, dict):
+        raise TypeError(wrong("autoplan()", "cache= a dict (to keep measurements in) or None", cache))
     if maximize not in ("speed", "batch"):
         raise ValueError(f"shrinkwrap: maximize is 'speed' or 'batch', got {maximize!r}")
     if maximize == "batch" and budget is None:
         raise ValueError("shrinkwrap: maximize='batch' needs a budget")
+    check_options("autoplan()", loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
+    require_batch(batch, "autoplan()")
     compile_step = _compile_step(compile)
     progress = progress_of(progress)
     make = model_maker(model_or_factory, "autoplan()")
+    probe = make()
+    if not isinstance(probe, nn.Module):
+        raise TypeError(wrong("autoplan()", "a model or a function returning one", make, f", which returned {got(probe)}"))
     options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
-    with contextlib.closing(_rows_for(make, make(), batch, options, cuda, {} if cache is None else cache,
+    with contextlib.closing(_rows_for(make, probe, batch, options, cuda, {} if cache is None else cache,
                                       warmup)) as rows:
         answer = _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
                            isolate_candidates, progress, compile_step)

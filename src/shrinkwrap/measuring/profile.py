@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from ..select import count, flag, function, wrong
 from .modules import Event
 
 MiB = 2**20
@@ -169,9 +170,47 @@ class Options:
     module_log: bool = True
 
     def __post_init__(self) -> None:
-        if self.iterations < 1 or self.warmup < 1:
-            raise ValueError(f"shrinkwrap: iterations and warmup must be at least 1, "
-                             f"got iterations={self.iterations}, warmup={self.warmup}")
+        check_options("Options()", self.loss_fn, self.optimizer, self.iterations, self.warmup, self.device,
+                      self.grad_scaler)
+        flag(self.module_log, "Options()", "module_log")
+
+
+def require_options(options: Any, where: str) -> "Options":
+    """``options`` if it is an :class:`Options`; else a ``TypeError`` saying what ``where`` got."""
+    if not isinstance(options, Options):
+        raise TypeError(wrong(where, "options= an Options, e.g. sw.Options(iterations=3, device='cuda')", options))
+    return options
+
+
+def check_options(where: str, loss_fn: Any, optimizer: Any, iterations: Any, warmup: Any, device: Any,
+                  grad_scaler: Any = None) -> None:
+    """Raise, naming ``where`` (the public function they were given to), if the arguments that
+    make an :class:`Options` are not what it takes; before anything is measured."""
+    function(loss_fn, where, "loss_fn", "a function output -> scalar tensor")
+    function(optimizer, where, "optimizer", "a function params -> Optimizer (torch.optim.AdamW, not AdamW(params))")
+    count(iterations, where, "iterations")
+    count(warmup, where, "warmup")
+    flag(grad_scaler, where, "grad_scaler", none=True)
+    parse_device(device, where)
+
+
+class DeviceError(ValueError, RuntimeError):
+    """A device torch cannot read; a RuntimeError too, as torch's own error is, for callers that
+    catch that."""
+
+
+def parse_device(device: Any, where: str) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays ``None``), or a shrinkwrap error naming
+    ``where``: torch's own says neither the argument nor the fix."""
+    takes = "device= 'cuda', 'cuda:1', 'cpu', a torch.device or None"
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(wrong(where, takes, device))
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DeviceError(wrong(where, takes, device)) from None
 
 
 

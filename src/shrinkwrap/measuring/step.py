@@ -39,11 +39,11 @@ from .. import _compat
 from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
-from ..select import compiled_how, require_module
+from ..select import compiled_how, require_module, text, wrong
 from ..transforms.optimizer.interface import trained_by
 from .graphs import _as_recorded, _dynamo_counts, graph_pool_bytes, _graph_trees, _recompile_limit, _recorded_whole, _replays
 from .modules import ModuleLog
-from .profile import LossFn, OptimizerFactory, Options, Phase, Profile
+from .profile import LossFn, OptimizerFactory, Options, Phase, Profile, check_options, parse_device
 from .ranks import gather, rank_and_world
 from .restore import restored
 from .saved import SavedTensors
@@ -59,6 +59,15 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return model(*batch)
     return model(batch)
+
+
+def require_batch(batch: Any, where: str) -> Any:
+    """``batch`` if it holds a tensor (see :func:`call_model`); else a ``TypeError`` saying what
+    ``where`` got, before the model's own forward fails on it."""
+    if next(tensors(batch), None) is None:
+        raise TypeError(wrong(where, "a batch: a tensor, a tuple or list of positional inputs, or a dict of keyword "
+                                     "inputs, with a tensor in it", batch))
+    return batch
 
 
 def default_loss(out: Any) -> torch.Tensor:
@@ -80,11 +89,10 @@ def default_loss(out: Any) -> torch.Tensor:
     )
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> CUDA if present, else CPU. Asking for CUDA without it is an error."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+def resolve_device(device: str | torch.device | None, where: str = "a measurement") -> torch.device:
+    """``None`` -> CUDA if present, else CPU. Asking for CUDA without it is an error, and so is a
+    device torch cannot read (the message names ``where``, the function it was given to)."""
+    device = parse_device(device, where) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -224,8 +232,11 @@ def measure(
         >>> prof.peak / 2**20, prof.breakdown()      # CUDA
         >>> prof.saved / 2**20, prof.step_ms           # any device
     """
+    require_module(model, "measure()")
+    check_options("measure()", loss_fn, optimizer, iterations, warmup, device, grad_scaler)
+    text(snapshot, "measure()", "snapshot", "a path (a str)")
     options = Options(loss_fn, optimizer, iterations, warmup, device, grad_scaler)
-    return measure_with(require_module(model, "measure()"), batch, options, snapshot)
+    return measure_with(model, require_batch(batch, "measure()"), options, snapshot)
 
 
 def measure_with(model: nn.Module, batch: Any, options: Options, snapshot: str | None = None,

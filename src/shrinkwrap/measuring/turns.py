@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..select import require_module
+from ..select import count, function, require_module, wrong
 from .modules import ForwardTimes
-from .profile import Options, Timing
+from .profile import Options, Timing, require_options
 from .restore import restored
-from .step import setup_iteration, _timed, resolve_device
+from .step import require_batch, setup_iteration, _timed, resolve_device
 
 
 def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options = Options(), *,
@@ -39,8 +39,19 @@ def time_interleaved(models: dict[str, nn.Module], batch: Any, options: Options 
         >>> t = time_interleaved({"fp32": plain, "plan": transformed}, batch, Options(device="cuda"))
         >>> t["plan"].median / t["fp32"].median, t["plan"].spread
     """
-    if rounds < 1 or (until is not None and max_rounds is None):
-        raise ValueError("shrinkwrap: time_interleaved needs rounds >= 1, and max_rounds with until")
+    where = "time_interleaved()"
+    if not isinstance(models, dict) or not models:
+        raise TypeError(wrong(where, "models= a dict of name -> model, one or more", models))
+    for model in models.values():
+        require_module(model, where)
+    require_batch(batch, where)
+    require_options(options, where)
+    count(rounds, where, "rounds")
+    count(per_round, where, "per_round")
+    count(max_rounds, where, "max_rounds", none=True)
+    function(until, where, "until", "a function timings -> bool")
+    if until is not None and max_rounds is None:
+        raise ValueError("shrinkwrap: time_interleaved needs max_rounds with until")
     device = resolve_device(options.device)
     with contextlib.ExitStack() as stack:
         steps = {}

@@ -62,10 +62,18 @@ import torch.nn as nn
 from .. import _compat
 from .. import _rewrite
 from .._wrapper import TransparentWrapper, refuse_functorch
-from ..select import Pattern, block_groups, require_module
+from ..select import Pattern, block_groups, flag, require_module
 from ..step import Step, Targets
 
 MiB = 1 << 20
+
+
+def _device_type(text: str) -> bool:
+    """Whether ``text`` is a device type torch knows, without an index (``'cuda'``, not ``'cuda:0'``)."""
+    try:
+        return torch.device(text).type == text
+    except (RuntimeError, ValueError):
+        return False
 _STREAMS: dict[torch.device, Any] = {}  # one side stream per device, made on first use (not on modules: they pickle)
 
 
@@ -270,6 +278,7 @@ def offload_traffic(model: nn.Module, reset: bool = False) -> Traffic:
         >>> loss.backward(); print(sw.offload_traffic(model, reset=True).offloaded)
     """
     total = Traffic()
+    flag(reset, "offload_traffic()", "reset")
     for m in require_module(model, "offload_traffic()").modules():
         if isinstance(m, OffloadModule):
             total = total + m.traffic
@@ -305,6 +314,14 @@ class Offload(Step):
         if self.min_bytes < 0:
             raise ValueError(f"shrinkwrap: offload(min_bytes={self.min_bytes!r}): min_bytes is the size in bytes "
                              f"under which a saved tensor stays on the device, 0 or more (default {MiB}, 1 MiB)")
+        # A region compares each saved tensor's device type with these: 'cuda:0' or 'gpu' would
+        # never match, and the step would offload nothing without a word.
+        wrong_types = [d for d in self.devices if not _device_type(d)]
+        if wrong_types or not self.devices:
+            raise ValueError(f"shrinkwrap: offload(devices={self.devices!r}): devices are one or more device types "
+                             f"whose saved tensors go to the CPU, such as ('cuda',) or ('cpu',); "
+                             + (f"{', '.join(map(repr, wrong_types))} is no device type" if wrong_types
+                                else "none offloads nothing"))
 
     def targets(self, model: nn.Module) -> Targets:
         pattern = self.pattern if self.pattern is not None else _blocks(model)
