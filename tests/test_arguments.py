@@ -137,6 +137,7 @@ def ap(**kw):
     (1.5, (ValueError, "budget 1.5 has no unit.*write e.g. '1.5GiB'")),
     (8e9, (ValueError, "budget 8000000000.0 has no unit.*'7.45GiB' or 8000000000")),
     ("2", (ValueError, "budget 2.0 has no unit")),
+    ("1e9", (ValueError, "budget 1000000000.0 has no unit.*'1000000000B'")),  # text: the int form is text too
     ("1e9", (ValueError, "budget 1000000000.0 has no unit")),
     ("0", (ValueError, "positive finite size, got 0.0")),
     ("inf", (ValueError, "positive finite size, got inf")),
@@ -213,6 +214,7 @@ REFUSED = {  # name: (call, error, what the message says after "shrinkwrap: ")
     "measure(optimizer=3)": (lambda: sw.measure(mlp(), X, optimizer=3), TypeError, "measure() takes optimizer="),
     "measure(device='cuda:x')": (lambda: sw.measure(mlp(), X, device="cuda:x"), ValueError, "measure() takes device="),
     "measure(batch=None)": (lambda: sw.measure(mlp(), None), TypeError, "measure() takes a batch"),
+    "estimate(batch='x')": (lambda: sw.estimate(mlp, "x"), TypeError, "estimate() takes a batch"),
     "measure(batch={'x': 1})": (lambda: sw.measure(mlp(), {"x": 1}), TypeError, "measure() takes a batch"),
     "Options(iterations=1.5)": (lambda: sw.Options(iterations=1.5), TypeError, "Options() takes iterations="),
     "Options(warmup=True)": (lambda: sw.Options(warmup=True), TypeError, "Options() takes warmup="),

@@ -77,7 +77,7 @@ GPT2 = ["transformers:GPT2Config", "--batch", "2"]
     ([*FIT, "--max-slowdown", "inf"], f"{SLOWDOWN}"),
     ([*FIT, "--max-slowdown", "-inf"], f"{SLOWDOWN}"),
     ([*FIT, "--max-slowdown", "1.2x"], f"{SLOWDOWN}"),
-    ([*FIT, "--budget", "-2GiB"], "cannot read budget '-2GiB'"),
+    ([*FIT, "--budget", "-2GiB"], "a budget must be positive, got '-2GiB'"),
     ([*FIT, "--maximize", "batch", "--max-slowdown", "1.5"], "--maximize batch finds the largest batch within a budget"),
     ([*FIT, "--budget", "0.5", "--compile", "swish()"], "argument --compile: expected a compile step such as"),
     ([*FIT, "--budget", "0.5", "--compile", "compile("], "argument --compile: cannot read plan 'compile('"),

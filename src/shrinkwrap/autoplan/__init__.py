@@ -97,7 +97,8 @@ def parse_budget(budget: Budget, baseline: float) -> float | None:
     if isinstance(budget, bool) or not isinstance(budget, (numbers.Real, str)):
         raise TypeError(f"shrinkwrap: a budget is bytes (an int, or text such as '8GiB') or a fraction of the "
                         f"baseline (0.5); got {got(budget)}")
-    if isinstance(budget, str):
+    text = isinstance(budget, str)
+    if text:
         m = re.fullmatch(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([kmgt]i?b|b)?\s*", budget.lower())
         if m and m.group(2):
             size = float(m.group(1)) * _UNITS[m.group(2)]
@@ -115,7 +116,8 @@ def parse_budget(budget: Budget, baseline: float) -> float | None:
         return float(byte_count(budget, "autoplan()", "budget", as_text=True,
                                 other=", or a fraction of the baseline such as 0.5"))
     if budget > 1:
-        bytes_as = f"'{budget / 2**30:.3g}GiB' or {int(budget)}" if budget >= 2**20 else f"'{budget:g}GiB'"
+        exact = f"'{int(budget)}B'" if text else str(int(budget))  # text (the CLI's) has no int form
+        bytes_as = f"'{budget / 2**30:.3g}GiB' or {exact}" if budget >= 2**20 else f"'{budget:g}GiB'"
         raise ValueError(f"shrinkwrap: budget {budget!r} has no unit: a fraction of the baseline's memory is at "
                          f"most 1, and bytes need a unit: write e.g. {bytes_as}, or 0.5 for half the baseline")
     return budget * baseline

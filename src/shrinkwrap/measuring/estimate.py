@@ -50,7 +50,7 @@ from ..select import require_module, wrong
 from ..transforms.optimizer.interface import trained_by
 from .indices import KnownIndices
 from .profile import LossFn, OptimizerFactory
-from .step import _Iteration, default_loss
+from .step import _Iteration, default_loss, require_batch
 
 MiB = 2**20
 
@@ -308,6 +308,7 @@ def estimate(model_or_factory: nn.Module | Callable[[], nn.Module], batch: Any, 
     except ImportError as exc:
         raise RuntimeError(f"shrinkwrap: estimate() needs torch's MemTracker (torch >= 2.5), which torch "
                            f"{torch.__version__} lacks: {exc}") from None
+    require_batch(batch, "estimate()")
     plan = as_plan(plan, "estimate()")
     if any(getattr(s, "name", None) == "step_in_backward" and getattr(s, "state", None) == "cpu" for s in plan.steps):
         # Under fake tensors the CPU copies and the worker thread's steps cannot run, and the device
