@@ -225,8 +225,11 @@ def autoplan(
     options = Options(loss_fn, optimizer, iterations, 2 if warmup is None else warmup, device)
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
-    with contextlib.closing(_rows_for(make, probe, batch, options, cuda, {} if cache is None else cache,
-                                      warmup)) as rows:
+    rows = _rows_for(make, probe, batch, options, cuda, {} if cache is None else cache, warmup)
+    # The rows keep copies on the CPU and let a model built on the GPU go: so must this frame, for
+    # the baseline to be measured first with nothing on the GPU (rows.Rows).
+    del probe
+    with contextlib.closing(rows):
         answer = _autoplan(rows, rows.probe, dev, budget, max_slowdown, allow_lossy, maximize, rounds, tolerance,
                            isolate_candidates, progress, compile_step)
     if progress:
