@@ -6,6 +6,12 @@ activations, row by row, on one GPU.
     python benchmarks/bill.py curves --steps 200 --json ...  # loss over 200 steps: exact against lossy
     python benchmarks/bill.py headline --json bill.json      # a Llama-3.2-3B-shaped model under 16 and 10 GiB
     python benchmarks/bill.py estimate --json bill.json      # the ~0.5B rows estimated on the CPU (no GPU)
+    python benchmarks/bill.py rows --model gemma2b --json bill.json  # a held-out decoder beside `plain`
+
+``--model`` takes rows, times and curves to another decoder: ``smollm17b`` (SmolLM2-1.7B's shape)
+and ``gemma2b`` (Gemma 3 at Gemma-2-2B's size: a 262,208 vocabulary), whose rows add ``plain`` (what users do:
+Hugging Face's gradient checkpointing, bf16 autocast, fused AdamW), the delayed update
+(``state_cpu_delayed``, lossy) and bf16 weights rounded stochastically (``bf16_state_cpu_sr``).
 
 ``--chunk-size N`` runs every plan with ``chunked_loss(chunk_size=N)``: the head's chunk of rows x
 vocabulary, not the layers, sets the forward's peak at a 152k vocabulary.
@@ -56,6 +62,12 @@ PLANS = {
     "lossy": f"half(torch.bfloat16), {ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
     # lossy's 8-bit state alone, float32 weights: which of its two changes the loss curve shows
     "state8": f"{ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
+    # the CPU's step of iteration i during iteration i+1 (lossy), and bf16 weights rounded stochastically
+    "state_cpu_delayed": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu', delayed=True)",
+    "bf16_state_cpu_sr": f"half(torch.bfloat16), {ACT}, step_in_backward(torch.optim.AdamW, options={LR}, "
+                         "state='cpu', rounding='stochastic')",
+    # what users do without us: Hugging Face's gradient checkpointing, bf16 autocast, fused AdamW
+    "plain": "autocast(torch.bfloat16)",
 }
 # The layers' checkpointed inputs offloaded too: at 3B they are the largest term beside the parameters.
 OFFLOAD = r"offload(r'model\.layers\.\d+')"
@@ -81,17 +93,38 @@ def llama3b_config() -> Any:
                                     max_position_embeddings=SEQ, use_cache=False)
 
 
-CONFIGS = {"qwen05b": lambda: qwen05b_config(), "llama3b": lambda: llama3b_config()}
+def smollm17b_config() -> Any:
+    """SmolLM2-1.7B's shape: a Llama of 1.7B parameters, 49,152 vocabulary (not a benchmark model elsewhere)."""
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                    num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=True,
+                                    max_position_embeddings=SEQ, use_cache=False)
+
+
+def gemma2b_config() -> Any:
+    """Gemma 3's text decoder at Gemma-2-2B's size (transformers' Gemma3TextConfig defaults): 2.6B
+    parameters, a 262,208 vocabulary, tanh-GELU gated MLPs, sliding-window attention."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(max_position_embeddings=SEQ, use_cache=False)
+
+
+CONFIGS = {"qwen05b": lambda: qwen05b_config(), "llama3b": lambda: llama3b_config(),
+           "smollm17b": lambda: smollm17b_config(), "gemma2b": lambda: gemma2b_config()}
+# The decoders the CPU path is measured on beside what users do (`plain`), each row a fresh process.
+DECODER_ROWS = ("plain,best,in_backward,state_cpu,state_cpu_delayed,bf16_state_cpu,bf16_state_cpu_sr,lossy,"
+                "torchao_offload")
 
 
 def build(config_name: str) -> nn.Module:
-    """The model on the GPU, built on the meta device and initialised there (no host copy)."""
+    """The model built on the GPU (no host copy; buffers its modules compute in ``__init__``, a
+    rotary frequency or an embedding's scale, as they make them), its weights initialised there."""
     import transformers
 
     config = CONFIGS[config_name]()
-    with torch.device("meta"):
+    with torch.device(DEVICE):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    model.to_empty(device=DEVICE)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,19 +134,23 @@ def build(config_name: str) -> nn.Module:
                 p.fill_(1.0)
             else:
                 p.zero_()
-        for m in model.modules():  # rotary frequencies: computed in __init__, empty after the meta device
-            if "inv_freq" in m._buffers:
-                with torch.device(DEVICE):
-                    fresh = type(m)(config=config)
-                for key, value in fresh._buffers.items():
-                    m._buffers[key] = value
-                m.__dict__.update({k: v for k, v in fresh.__dict__.items() if isinstance(v, torch.Tensor)})
     model.tie_weights()
     return model
 
 
 def planned(config_name: str, plan: str) -> nn.Module:
     return sw.apply(build(config_name), plan)
+
+
+def hf_checkpointed(config_name: str, plan: str) -> nn.Module:
+    """The model with Hugging Face's own gradient checkpointing of its layers (``plain``)."""
+    model = build(config_name)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return sw.apply(model, plan)
+
+
+def fused_adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
 
 
 def torchao_offload(params: Any) -> torch.optim.Optimizer:
@@ -169,12 +206,16 @@ def rows(config_name: str, names: list[str], iterations: int = 3, warmup: int = 
     vocab = CONFIGS[config_name]().vocab_size
     for name in names:
         options = sw.Options(device=DEVICE, iterations=iterations, warmup=warmup)
+        build_as = planned
         if name == "torchao_offload":
             options = sw.Options(device=DEVICE, iterations=iterations, warmup=warmup, optimizer=torchao_offload)
             plan = PLANS["best"]
+        elif name == "plain":
+            options = sw.Options(device=DEVICE, iterations=iterations, warmup=warmup, optimizer=fused_adamw)
+            plan, build_as = PLANS[name], hf_checkpointed
         else:
             plan = PLANS[name]
-        make = functools.partial(planned, config_name, plan)
+        make = functools.partial(build_as, config_name, plan)
         report = sw.compare.measure_plans(make, [sw.Plan()], batch(vocab), options, isolate=True, fit=False)
         row = report.rows[0]
         params = sum(p.numel() for p in build_meta(config_name).parameters())
@@ -266,11 +307,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help=JSON_HELP)
     parser.add_argument("--chunk-size", type=int, help="chunked_loss(chunk_size=N) in every plan")
+    parser.add_argument("--model", default="qwen05b", choices=sorted(CONFIGS),
+                        help="the model of rows, times and curves (headline: llama3b)")
     args = parser.parse_args()
     if args.chunk_size:
         for key, plan in PLANS.items():
             PLANS[key] = plan.replace("chunked_loss()", f"chunked_loss(chunk_size={args.chunk_size})")
-    names = (args.configs or (CURVES if args.what == "curves" else ROWS)).split(",")
+    default = CURVES if args.what == "curves" else DECODER_ROWS if args.model in ("smollm17b", "gemma2b") else ROWS
+    names = (args.configs or default).split(",")
     if "torchao_offload" in names:
         try:
             import torchao.optim  # noqa: F401
@@ -278,15 +322,15 @@ def main() -> int:
             print(f"torchao not importable ({type(exc).__name__}: {exc}); its row is left out", flush=True)
             names.remove("torchao_offload")
     if args.what == "rows":
-        result = rows("qwen05b", names)
+        result = rows(args.model, names)
     elif args.what == "times":
-        result = times("qwen05b", names, args.rounds)
+        result = times(args.model, names, args.rounds)
     elif args.what == "estimate":
         global DEVICE  # the model is built on the CPU, where the estimate runs
         DEVICE = "cpu"
-        result = estimates("qwen05b", names)
+        result = estimates(args.model, names)
     elif args.what == "curves":
-        result = curves("qwen05b", args.steps, names)
+        result = curves(args.model, args.steps, names)
     else:
         # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
         result = rows("llama3b", [n for n in names if n in HEADLINE], iterations=1, warmup=1)

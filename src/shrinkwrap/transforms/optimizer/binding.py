@@ -71,6 +71,9 @@ class Binding:
         if self.on_cpu and getattr(p, "_local_tensor", None) is not None:
             raise RuntimeError(f"shrinkwrap: step_in_backward(state='cpu') does not take FSDP2's sharded parameters "
                                f"({n!r}); use state='device', whose step takes each rank's shard")
+        if self.on_cpu and self.rounding == "stochastic" and p.dtype == torch.float16:
+            raise ValueError(f"shrinkwrap: step_in_backward(rounding='stochastic') rounds the master copy to "
+                             f"bfloat16, and {n!r} is float16: use half(torch.bfloat16), or rounding='nearest'")
         on = _OnCpu(p, self.cls, self.options) if self.on_cpu else None
         # A DTensor (FSDP2's shard) keeps the single-tensor step: torch's fused kernels are
         # not among the operations DTensor shards in every version.

@@ -6,6 +6,7 @@ steps are waited for. Mixed into :class:`~.handle.InBackward`.
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -56,10 +57,21 @@ class LoopChecks:
                         "out of the plan (shrinkwrap.revert(model)).")
 
     def wait(self) -> None:
-        """Every CPU step done and its weight back (the compute stream waits for the copies); the
-        first error a CPU step raised is raised here."""
+        """Every CPU step done and its weight back (the compute stream waits for the copies; with
+        ``delayed=True`` the model holds the latest weights after it); the first error a CPU step
+        raised is raised here."""
+        began = time.perf_counter()
+        if self.delayed:
+            self._flush()
+        self._done(everything=True)
+        self.waited_s += time.perf_counter() - began
+
+    def _done(self, everything: bool = False) -> None:
+        """The CPU steps' errors raised, of every step (waited for) or of those done; the compute
+        stream after the copies up issued so far."""
         with self.lock:
-            futures, self.futures = self.futures, []
+            futures = self.futures if everything else [f for f in self.futures if f.done()]
+            self.futures = [] if everything else [f for f in self.futures if not f.done()]
         errors = [f.exception() for f in futures]
         for device, (_, up, _) in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(up)
@@ -72,7 +84,10 @@ class LoopChecks:
     def _settle(self) -> None:
         """After a backward that raised before its end: its waiting gradients are left in ``.grad``
         (not stepped behind the caller's back), and where it had stepped some, that is raised."""
-        self.wait()
+        if self.delayed:
+            self._done()
+        else:
+            self.wait()
         with self.lock:
             record = self.backward
             if record is None:
@@ -89,6 +104,7 @@ class LoopChecks:
     def _confirmed(self, what: str) -> None:
         """Raise where a backward stepped parameters and no ``step()`` followed before ``what``."""
         stepped = self._stepped()
+        self._drop_delayed()  # delayed: a backward whose gradients were not finite, or one refused here
         if not stepped:
             return
         self.unconfirmed = []
@@ -101,12 +117,19 @@ class LoopChecks:
             "step_in_backward() out of the plan (shrinkwrap.revert(model)).")
 
     def _stepped(self) -> list[str]:
-        return [n for record in self.unconfirmed for n in record.stepped]
+        """What the backwards since the last ``step()`` stepped; delayed, what they will step
+        (their gradients came down finite: a non-finite one drops them all, a skipped batch)."""
+        stepped = [n for record in self.unconfirmed for n in record.stepped]
+        if self.deferred and self._verdict() is None:
+            stepped += [n for n, *_ in self.deferred]
+        return stepped
 
     def before_forward(self, module: nn.Module) -> None:
         """The root's forward pre-hook: CPU updates back, zero gradients' stand-ins dropped, and,
         for a training forward, the parameters bound (see :meth:`bind`)."""
         self._settle()
+        if self.delayed and not (torch.is_grad_enabled() and module.training):
+            self.wait()  # an evaluation sees the latest weights
         if torch.is_grad_enabled() and module.training:
             if self.model() is None:
                 self.model = weakref.ref(module)

@@ -1,18 +1,21 @@
 """A parameter's optimizer stepped on the CPU (``step_in_backward(state='cpu')``): its copy,
-gradient buffer and state in pinned memory, the fingerprint that tells whether a half weight
-changed on the GPU since its step wrote it, and the step itself: the gradient down on a side
-stream, the update on a worker thread, the weight back up."""
+gradient buffer and state in pinned memory, the fingerprint that tells whether the weight changed
+on the GPU since its step wrote it, and the step itself: the gradient down on a side stream, the
+update on a worker thread, the weight back up, at once or, with ``delayed=True``, at the next
+backward's hook of the parameter (the step of iteration i runs during iteration i+1)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+import time
 import weakref
 
 import torch
 
 from ... import _compat
 from .backward import _Backward, _unstepped
+from .rounding import round_into
 from .standin import local, norms, stand_in
 
 
@@ -59,16 +62,16 @@ def _differs(now: tuple | None, then: tuple | None, device: torch.device) -> tor
 class _OnCpu:
     """One parameter's optimizer stepped on the CPU: its copy (float32 where the parameter is
     half: the master copy), gradient buffer and norms in pinned memory (plain memory where there
-    is no CUDA), the optimizer over the copy.
+    is no CUDA), the optimizer over the copy, and for a half weight the values its last step
+    wrote (``sent``: the master rounded to nearest, or stochastically).
 
     The step starts from what the model holds (a ``load_state_dict``, a clamp through ``.data``,
-    a resume since): a float32 weight comes down with its gradient into the copy the step takes.
-    A half weight comes down where its :func:`fingerprint` differs from the one its last step
-    wrote (the master copy holds more than the weight), and its values that differ from the
-    master's rounding replace the master's. For a GPU's parameter the CPU optimizer is torch's
-    fused one where its class has one (AdamW, Adam, SGD, Adagrad): one pass over the values
-    instead of one an operation. A CPU
-    model's parameters keep the single-tensor path, and with it the plain loop's bits."""
+    a resume since): a GPU weight comes down where its :func:`fingerprint` differs from the one
+    its last step wrote; a float32 weight replaces the master, and a half weight's values that
+    differ from what its step wrote replace the master's. For a GPU's parameter the CPU optimizer
+    is torch's fused one where its class has one (AdamW, Adam, SGD, Adagrad): one pass over the
+    values instead of one an operation. A CPU model's parameters keep the single-tensor path, and
+    with it the plain loop's bits."""
 
     def __init__(self, p: torch.Tensor, cls: type, options: dict) -> None:
         pinned = p.is_cuda
@@ -76,23 +79,37 @@ class _OnCpu:
         self.master = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
         self.master.copy_(p.detach())
         self.master.requires_grad_(True)
-        self.seen = None if dtype == p.dtype else torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
+        half = dtype != p.dtype
+        self.sent = torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) if half else None
+        if half:
+            self.sent.copy_(p.detach())
+        # Where a changed weight comes down: beside the master for a half weight, into it else.
+        self.seen = torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) if half and pinned else None
         self.grad = torch.empty(p.shape, dtype=dtype, pin_memory=pinned)
-        # The gradient's 2-norm and largest magnitude, and whether a half weight changed since its step.
+        # The gradient's 2-norm and largest magnitude, and whether the weight changed since its step.
         self.norms = torch.empty(3, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pinned)
-        self.written: tuple | None = None  # the fingerprint of the weight as the last step wrote it
+        # The fingerprint of the weight as the last step wrote it (as bound, before a first step).
+        self.written: tuple | None = fingerprint(p) if pinned else None
         self.optimizer = _one_optimizer(cls, self.master, options, fused=pinned)
+        self.future: concurrent.futures.Future | None = None  # delayed: a step whose weight is not written
+        self.read: torch.cuda.Event | None = None  # the last copy up, done reading the host copy
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What the model's weight is written from: the master, or its rounding for a half weight."""
+        return self.master.detach() if self.sent is None else self.sent
 
     def take(self, weight: torch.Tensor) -> None:
-        """The master copy from the weight the model holds (``weight``: what came down into the
-        master or ``seen``, or a CPU model's parameter)."""
-        if self.seen is None:
+        """The master copy from the weight the model holds (``weight``: what came down, or a CPU
+        model's parameter): a half weight's values that differ from what the last step wrote."""
+        if self.sent is None:
             if weight.data_ptr() != self.master.data_ptr():
                 self.master.detach().copy_(weight)
             return
-        changed = weight != self.master.detach().to(weight.dtype)
+        changed = weight != self.sent
         if bool(changed.any()):
             self.master.detach()[changed] = weight[changed].to(self.master.dtype)
+            self.sent[changed] = weight[changed]
 
 
 def _count_change(p: torch.Tensor) -> None:
@@ -111,24 +128,31 @@ class CpuSteps:
     the gradient down as backward makes it, the step on a worker thread, the weight back up."""
 
     def _to_cpu(self, name: str, p: torch.Tensor, record: _Backward) -> None:
-        """The gradient, its norms and the weight down (a side stream), the step on the worker
-        thread, the weight back up (another stream); a non-finite gradient stops the steps as on
-        the device, raised at the next ``wait()`` where some were stepped."""
+        """The gradient, its norms and whether the weight changed down (a side stream), the step on
+        the worker thread, the weight back up (another stream); a non-finite gradient stops the
+        steps as on the device, raised at the next ``wait()`` where some were stepped. Delayed,
+        the last step's weight goes up first, and the step waits for ``step()`` (see
+        :meth:`_submit_delayed`)."""
         on = self.cpu[name]
         grad = p.grad
         two, peak = norms([local(grad)])
-        weight = on.master.detach() if on.seen is None else on.seen  # where the weight comes down
+        pending = on.future is not None
+        copied = up = None
         if p.is_cuda:
             down, up, _ = self._streams(p.device)
-            # A half weight: whether it changed since its step wrote it, taken on the compute
-            # stream now, after whatever the forward did to it.
-            changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype) if on.seen is not None else two[0]
+            # Whether the weight changed since its step wrote it, taken on the compute stream now,
+            # after whatever the forward did to it (and before a delayed step's weight goes up).
+            compute = torch.cuda.current_stream(p.device)
+            for t in on.written or ():
+                t.record_stream(compute)  # made on the copy-up stream, read here
+            changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype)
             told = torch.stack([two[0], peak[0], changed])
+        if pending:
+            self._write_pending(p, on)
+        if p.is_cuda:
             down.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(down):
                 on.grad.copy_(grad, non_blocking=True)
-                if on.seen is None:  # a float32 weight comes down with its gradient, into the master
-                    weight.copy_(p.detach(), non_blocking=True)
                 on.norms.copy_(told, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(down)
@@ -137,18 +161,18 @@ class CpuSteps:
         else:
             on.grad.copy_(grad)
             on.norms.copy_(torch.stack([two[0], peak[0], two[0]]))
-            copied = up = None
         p.grad = stand_in(p, name, two[0], peak[0])
         _count_change(p)
         # The step holds the parameter, its state and the handle weakly: a finished step's closure
         # can outlive wait() for a moment in the worker, and must not keep a dropped model alive.
         refs = weakref.ref(p), weakref.ref(on), weakref.ref(self)
-        options, lock = self._options(name, record), self.lock
+        options, lock, delayed = self._options(name, record), self.lock, self.delayed
 
         def step() -> None:
             p, on, handle = (r() for r in refs)
             if p is None or on is None or handle is None:
                 return
+            began = time.perf_counter()
             if copied is not None:
                 copied.synchronize()
             finite = math.isfinite(float(on.norms[1]))
@@ -161,34 +185,109 @@ class CpuSteps:
                 return
             if up is None:
                 on.take(p.detach())  # a CPU model's own weight
-            elif on.seen is not None and bool(on.norms[2]):  # a half weight changed since its step
+            if on.read is not None:
+                on.read.synchronize()  # the last copy up has read the host copy this step writes
+            if up is not None and bool(on.norms[2]):  # the weight changed on the GPU since its step wrote it
+                if pending:
+                    raise RuntimeError(
+                        f"shrinkwrap: the weight of {name!r} changed on the GPU while its last update was still "
+                        "on the CPU (step_in_backward(delayed=True)): the change is lost. Call "
+                        "sw.optimizer(model).wait() before changing weights (a load, a clamp); it writes them up.")
+                fetch = on.master.detach() if on.sent is None else on.seen
                 with torch.cuda.stream(handle._streams(p.device)[2]):  # waits for no copy up
-                    weight.copy_(p.detach(), non_blocking=True)
+                    fetch.copy_(p.detach(), non_blocking=True)
                     torch.cuda.current_stream().synchronize()
                 handle.fetched += 1
-                on.take(weight)
+                on.take(fetch)
             on.master.grad = on.grad
             on.optimizer.param_groups[0].update(options)
             on.optimizer.step()
             on.master.grad = None
+            if on.sent is not None:
+                round_into(on.sent, on.master, handle.rounding_generator)
             with lock:
                 record.stepped.append(name)
-            with torch.no_grad():
-                if up is not None:
-                    with torch.cuda.stream(up):
-                        p.data.copy_(on.master, non_blocking=True)
-                        if on.seen is not None:
-                            on.written = fingerprint(p)
-                else:
-                    p.data.copy_(on.master)
+            if not delayed:
+                handle._write(p, on)
+            with lock:
+                handle.worker_s += time.perf_counter() - began
 
         if self.worker is None:
-            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step")
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step",
+                                                                initializer=torch.set_num_threads,
+                                                                initargs=(torch.get_num_threads(),))
+        if delayed:
+            with self.lock:
+                self.deferred.append((name, on, copied, step))
+            return
         with self.lock:
             self.futures.append(self.worker.submit(step))
+
+    def _write(self, p: torch.Tensor, on: _OnCpu) -> None:
+        """``p`` from its host copy: on the copy-up stream once the compute stream is past its
+        uses (a GPU's), and its fingerprint taken there; a CPU model's at once."""
+        if not p.is_cuda:
+            with torch.no_grad():
+                p.data.copy_(on.source)
+            return
+        up = self._streams(p.device)[1]
+        with torch.no_grad(), torch.cuda.stream(up):
+            p.data.copy_(on.source, non_blocking=True)
+            on.written = fingerprint(p)
+            on.read = torch.cuda.Event()
+            on.read.record(up)
+
+    def _write_pending(self, p: torch.Tensor, on: _OnCpu) -> None:
+        """Delayed: the weight of ``p``'s last step up (waiting for the step where the CPU is
+        behind), after the compute stream's uses of the weight it replaces."""
+        future, on.future = on.future, None
+        began = time.perf_counter()
+        future.result()
+        self.waited_s += time.perf_counter() - began
+        if p.is_cuda:
+            self._streams(p.device)[1].wait_stream(torch.cuda.current_stream(p.device))
+        self._write(p, on)
+
+    def _submit_delayed(self) -> None:
+        """Delayed, at ``step()``: the last backward's steps to the worker, once every gradient
+        of it came down finite (else none is stepped, and ``step()`` raises as on the device);
+        their weights go up at the parameters' hooks in the next backward, or at ``wait()``."""
+        bad = self._verdict()
+        if bad is not None:
+            self._drop_delayed()
+            self.skipped = bad
+            return
+        with self.lock:
+            deferred, self.deferred = self.deferred, []
+        for _, on, _, step in deferred:
+            on.future = self.worker.submit(step)
+            with self.lock:
+                self.futures.append(on.future)
+
+    def _verdict(self) -> str | None:
+        """Delayed: the first of the last backward's gradients that came down not finite, or None."""
+        for _, _, copied, _ in self.deferred:
+            if copied is not None:
+                copied.synchronize()
+        return next((n for n, on, _, _ in self.deferred if not math.isfinite(float(on.norms[1]))), None)
+
+    def _drop_delayed(self) -> None:
+        """Delayed: a backward no ``step()`` followed (a skipped batch): its steps are dropped."""
+        with self.lock:
+            deferred, self.deferred = self.deferred, []
+        for n, _, _, _ in deferred:
+            if n in self.params:
+                _unstepped(self.params[n].grad)
+
+    def _flush(self) -> None:
+        """Delayed: every step done and its weight written, so that the model holds the latest."""
+        for n, on in self.cpu.items():
+            if on.future is not None and n in self.params:
+                self._write_pending(self.params[n], on)
 
     def _streams(self, device: torch.device) -> tuple:
         """A device's streams for the CPU steps: the copies down, the copies up, the fetches."""
         if device not in self.streams:
             self.streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
         return self.streams[device]
+

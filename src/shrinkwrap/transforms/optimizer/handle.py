@@ -35,7 +35,8 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
     docstring). A ``torch.optim.Optimizer``: schedulers, step hooks and ``state_dict`` see the plain
     optimizer ``cls(model.parameters(), **options)``, whatever steps each parameter."""
 
-    def __init__(self, cls: type, options: dict, on_cpu: bool, spec: tuple = ()) -> None:
+    def __init__(self, cls: type, options: dict, on_cpu: bool, spec: tuple = (), delayed: bool = False,
+                 rounding: str = "nearest") -> None:
         # Not Optimizer.__init__, which wants the parameters: the model's come at bind().
         template = cls([torch.zeros(1, requires_grad=True)], **options)
         self.defaults = dict(template.defaults)
@@ -46,6 +47,14 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
             setattr(self, name, OrderedDict())
         self._patch_step_function()  # step() runs the step hooks
         self.cls, self.spec, self.on_cpu = cls, spec, on_cpu
+        self.delayed, self.rounding = delayed, rounding
+        # The stochastic rounding's offsets: a generator of the handle's own, so that the user's
+        # random stream is not drawn from (on the worker thread, at times of its own).
+        self.rounding_generator = (torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+                                   if rounding == "stochastic" else None)
+        self.deferred: list = []  # delayed: the last backward's steps, submitted at step()
+        self.worker_s = 0.0  # seconds the worker spent stepping
+        self.waited_s = 0.0  # seconds the loop waited for the worker
         self.options = per_parameter_options(cls, options)
         self.names: list[str] = []  # every parameter of the model, in its order
         self.params: dict[str, torch.Tensor] = {}
@@ -95,11 +104,13 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
         groups from fresh state: the state is saved through ``state_dict()``, as a plain optimizer's."""
         self.wait()
         return {"cls": self.cls, "options": self.spec_options, "on_cpu": self.on_cpu, "spec": self.spec,
+                "delayed": self.delayed, "rounding": self.rounding,
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "group_of": dict(self.group_of)}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["cls"], state["options"], state["on_cpu"], state["spec"])
+        self.__init__(state["cls"], state["options"], state["on_cpu"], state["spec"], state.get("delayed", False),
+                      state.get("rounding", "nearest"))
         self.param_groups = [{"params": [], **g} for g in state["groups"]]
         self.group_of = dict(state["group_of"])
 
@@ -112,8 +123,8 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
                 f"trained, state on the {'CPU' if self.on_cpu else 'device'})")
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Runs ``closure`` (its backward steps the parameters), waits for updates on the CPU, and
-        steps, as a plain optimizer would, each parameter whose gradient is still in ``.grad``: a
+        """Runs ``closure`` (its backward steps the parameters), waits for updates on the CPU
+        (delayed: hands them to the CPU, to be written up in the next backward), and steps, as a plain optimizer would, each parameter whose gradient is still in ``.grad``: a
         backward that kept its graph left it there, or FSDP2 held the parameter unsharded when
         the hooks were placed. Raises where the last backward stopped at a non-finite gradient."""
         loss = None
@@ -132,7 +143,11 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
                 else:
                     self._step([n], [p], late)
         self._read_checks(late)
-        self.wait()
+        if self.delayed:
+            self._submit_delayed()
+            self._done()
+        else:
+            self.wait()
         self.unconfirmed = []
         self._raise_skipped()
         return loss

@@ -57,6 +57,13 @@ class StepInBackward(Step):
         optimizer: the optimizer class (any ``torch.optim.Optimizer``), built once a parameter.
         options: its keyword arguments, as a dict or pairs: ``{'lr': 1e-4, 'weight_decay': 0.01}``.
         state: ``"device"`` (the state beside the parameter) or ``"cpu"``.
+        delayed: with ``state="cpu"``, the CPU's step of iteration i runs during iteration i+1,
+            whose gradient is taken at the weights before it (ZeRO-Offload's one-step-delayed
+            update): lossy, off by default. ``sw.optimizer(model).wait()`` writes the latest
+            weights into the model (``state_dict()`` and an evaluation forward do too).
+        rounding: with ``state="cpu"`` and bf16 weights, how the float32 master copy becomes the
+            weight: ``"nearest"`` or ``"stochastic"`` (unbiased: updates below bf16's spacing
+            still reach the forward on average).
 
     Example::
 
@@ -69,12 +76,14 @@ class StepInBackward(Step):
 
     @property
     def lossy(self) -> bool:  # type: ignore[override]
-        """Lossy where its optimizer says so (:class:`LowBitAdamW`)."""
-        return bool(getattr(self.optimizer, "lossy", False))
+        """Lossy where its optimizer says so (:class:`LowBitAdamW`), or the update is delayed."""
+        return bool(getattr(self.optimizer, "lossy", False)) or self.delayed
 
     optimizer: type = torch.optim.AdamW
     options: Any = ()
     state: str = "device"
+    delayed: bool = False
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         options = self.options
@@ -91,6 +100,16 @@ class StepInBackward(Step):
                             f"torch.optim.AdamW; got {self.optimizer!r}")
         if self.state not in ("device", "cpu"):
             raise ValueError(f"shrinkwrap: step_in_backward(state={self.state!r}): state is 'device' or 'cpu'")
+        if not isinstance(self.delayed, bool):
+            raise TypeError(f"shrinkwrap: step_in_backward(delayed={self.delayed!r}): delayed is True or False")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"shrinkwrap: step_in_backward(rounding={self.rounding!r}): rounding is 'nearest' or "
+                             "'stochastic'")
+        for what, off in (("delayed=True", not self.delayed), (f"rounding={self.rounding!r}",
+                                                                self.rounding == "nearest")):
+            if not off and self.state != "cpu":
+                raise ValueError(f"shrinkwrap: step_in_backward({what}) is a form of the step on the CPU; add "
+                                 "state='cpu'")
         if "foreach" in dict(options) or "fused" in dict(options):
             raise ValueError("shrinkwrap: step_in_backward() steps one parameter at a time; leave foreach= and "
                              "fused= out of its options")
@@ -103,6 +122,10 @@ class StepInBackward(Step):
             parts.append("options={" + ", ".join(f"{k!r}: {v!r}" for k, v in self.options) + "}")
         if self.state != "device":
             parts.append(f"state={self.state!r}")
+        if self.delayed:
+            parts.append("delayed=True")
+        if self.rounding != "nearest":
+            parts.append(f"rounding={self.rounding!r}")
         return f"{self.name}({', '.join(parts)})"
 
     @classmethod
@@ -146,12 +169,13 @@ class StepInBackward(Step):
 
     @property
     def _spec(self) -> tuple:
-        return (str(self), self.optimizer, self.options, self.state)
+        return (str(self), self.optimizer, self.options, self.state, self.delayed, self.rounding)
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         if not targets.matched:
             return []
-        handle = InBackward(self.optimizer, dict(self.options), self.state == "cpu", self._spec)
+        handle = InBackward(self.optimizer, dict(self.options), self.state == "cpu", self._spec, self.delayed,
+                            self.rounding)
         handle.model = weakref.ref(model)
         handle.bind(model)
         model.__dict__[HANDLE] = handle
@@ -181,11 +205,11 @@ def optimizer(model: nn.Module) -> InBackward:
 
 
 def apply_step_in_backward(model: nn.Module, optimizer: type = torch.optim.AdamW, options: Any = (),
-                           state: str = "device") -> nn.Module:
+                           state: str = "device", delayed: bool = False, rounding: str = "nearest") -> nn.Module:
     """Step ``model``'s optimizer inside backward, in place; return ``model`` (see :class:`StepInBackward`).
 
     Example::
 
         >>> apply_step_in_backward(model, torch.optim.AdamW, {"lr": 1e-4}); opt = sw.optimizer(model)
     """
-    return StepInBackward(optimizer, options, state).apply(require_module(model, "apply_step_in_backward()"))
+    return StepInBackward(optimizer, options, state, delayed, rounding).apply(require_module(model, "apply_step_in_backward()"))
