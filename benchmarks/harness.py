@@ -476,6 +476,7 @@ ROW_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "per_round.json": lambda r: (r["model"], r["plan"], r["timing"]),
     "lm.json": _model_config,
     "multigpu.json": _model_config,
+    "bandwidth.json": lambda r: (r["measure"], r["config"], r["threads"]),
 }
 
 

@@ -25,7 +25,7 @@ OUT = HERE / "RESULTS.md"
 MODELS = ("resnet18", "efficientnet_b0", "resnet152", "gpt2", "bert")
 # The JSON files and the sections that render them: a test checks every JSON file here is one of them.
 RENDERED = ("fits.json", "bill.json", "step_checks.json", "frontier.json", "graphs.json", "zoo.json",
-            "compile_time.json", "compile_plans.json", "per_round.json", "lm.json", "multigpu.json")
+            "compile_time.json", "compile_plans.json", "per_round.json", "lm.json", "multigpu.json", "bandwidth.json")
 
 
 def load(name: str) -> list[dict[str, Any]]:
@@ -460,8 +460,45 @@ def multigpu_section() -> list[str]:
         "torch's `checkpoint_wrapper`) beside plans; memory per rank, step times in turns in step on both ranks.")
 
 
+# -- the host ------------------------------------------------------------------------------------------
+def bandwidth_section() -> list[str]:
+    """What bounds the step with its state on the CPU: the link, host memory, the CPU AdamW."""
+    rows = load("bandwidth.json")
+    if not rows:
+        return []
+
+    def threads(r: dict) -> str:
+        if "worker_threads" in r:  # the worker's threads, as it found them or after set_num_threads
+            return f"{r['worker_threads']} ({'found' if r['threads'] is None else 'set'})"
+        return num(r["threads"])
+
+    def size(r: dict) -> str:
+        if "elements" in r:
+            return f"{r['elements'] / 1e6:.0f}M parameters ({r['tensors']} tensors)"
+        return f"{num(r.get('array_gib'))} GiB an array"
+
+    def fig(r: dict, key: str) -> str:
+        return f"{num(r[key], 2)} ({num(r[key + '_low'], 2)}-{num(r[key + '_high'], 2)})"
+
+    return section("The host: link, memory and the CPU optimizer", rows, table(
+        ["measure", "config", "threads", "ms (low-high)", "GB/s (low-high)", "size",
+         "host cores / torch's threads", "GPU"],
+        [[r["measure"], r["config"], threads(r), fig(r, "ms"), fig(r, "gb_s"),
+          size(r),
+          f"{r['host_cores']} / {r['torch_threads']}", gpu(r)] for r in rows]),
+        "`benchmarks/bandwidth.py`: what bounds `step_in_backward(state='cpu')`. link: a copy between pinned "
+        "host memory and the GPU each way on a side stream, both at once on two streams, and from pageable memory "
+        "(CUDA events, 10 repeats). memory: a float32 `copy_` (bytes read and written), a triad `torch.add(a, "
+        "b, alpha=2, out=c)` and its in-place form `c.add_(b, alpha=2)` (three arrays' bytes), 5 repeats. adamw: "
+        "one `step()` of torch's CPU AdamW over float32 tensors shaped as a decoder's parameters (Qwen2-0.5B's "
+        "layers), after a warmup step, 5 repeats: one optimizer (`fused_one`, `foreach_one`, `single_one`), one a "
+        "tensor in turn (`fused_per_tensor`), and that from a one-thread `ThreadPoolExecutor` as shrinkwrap's "
+        "worker (threads found in it, or set in it); GB/s at 28 bytes a parameter. GB/s are 10^9 bytes a second.")
+
+
 SECTIONS = (fits_section, autoplan_budget_section, bill_section, frontier_section, graphs_section, zoo_section,
-            compile_time_section, compile_plans_section, per_round_section, lm_section, multigpu_section)
+            compile_time_section, compile_plans_section, per_round_section, lm_section, multigpu_section,
+            bandwidth_section)
 
 
 def make() -> str:
