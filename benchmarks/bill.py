@@ -7,6 +7,7 @@ activations, row by row, on one GPU.
     python benchmarks/bill.py headline --json bill.json      # a Llama-3.2-3B-shaped model under 16 and 10 GiB
     python benchmarks/bill.py estimate --json bill.json      # the ~0.5B rows estimated on the CPU (no GPU)
     python benchmarks/bill.py rows --model gemma2b --json bill.json  # a held-out decoder beside `plain`
+    python benchmarks/bill.py profile --model smollm17b --configs state_cpu,in_backward --json bill.json
 
 ``--model`` takes rows, times and curves to another decoder: ``smollm17b`` (SmolLM2-1.7B's shape)
 and ``gemma2b`` (Gemma 3 at Gemma-2-2B's size: a 262,208 vocabulary), whose rows add ``plain`` (what users do:
@@ -264,6 +265,53 @@ def times(config_name: str, names: list[str], rounds: int) -> list[dict]:
     return out
 
 
+def profile(config_name: str, names: list[str], steps: int = 6) -> list[dict]:
+    """Where a step's time goes, each plan in turn in this process: forward, backward and
+    ``step()`` (synchronised between them), and what the CPU path's worker did meanwhile: its
+    seconds stepping, and the seconds the loop waited for it. Medians past two warm-up steps."""
+    import statistics
+    import time
+
+    vocab = CONFIGS[config_name]().vocab_size
+    ids = batch(vocab)["input_ids"].to(DEVICE)
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    out = []
+    for name in names:
+        model = planned(config_name, PLANS[name])
+        opt = sw.optimizer(model)
+        phases: dict = {"forward": [], "backward": [], "optimizer_step": []}
+        for i in range(steps):
+            if i == 2:
+                opt.worker_s = opt.waited_s = 0.0
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+            opt.step()
+            sync()
+            t3 = time.perf_counter()
+            if i >= 2:
+                for v, t in zip(phases.values(), (t1 - t0, t2 - t1, t3 - t2)):
+                    v.append(t)
+        n = steps - 2
+        ms = {k: round(statistics.median(v) * 1e3, 1) for k, v in phases.items()}
+        out.append({"model": config_name, "config": name, "plan": PLANS[name], "kind": "profile", **{
+            f"{k}_ms": v for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 1),
+            "worker_ms": round(opt.worker_s / n * 1e3, 1), "waited_ms": round(opt.waited_s / n * 1e3, 1),
+            "threads": torch.get_num_threads(), "parameters": sum(p.numel() for p in model.parameters()),
+            "steps": n, **_stamp()})
+        print(json.dumps(out[-1]), flush=True)
+        del model, opt, loss
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def text_tokens() -> torch.Tensor:
     """Real text at hand offline: the installed torch package's Python source, as bytes."""
     root = Path(torch.__file__).parent
@@ -301,7 +349,7 @@ def curves(config_name: str, steps: int, names: list[str]) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate"])
+    parser.add_argument("what", choices=["rows", "times", "curves", "headline", "estimate", "profile"])
     parser.add_argument("--configs", help=f"the rows, comma-separated (default: {ROWS}; for curves {CURVES})")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
@@ -331,6 +379,8 @@ def main() -> int:
         result = estimates(args.model, names)
     elif args.what == "curves":
         result = curves(args.model, args.steps, names)
+    elif args.what == "profile":
+        result = profile(args.model, names)
     else:
         # The CPU steps 3.2B parameters an iteration (seconds each): the fewest iterations that read a steady one.
         result = rows("llama3b", [n for n in names if n in HEADLINE], iterations=1, warmup=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import time
 import weakref
 
@@ -57,6 +58,17 @@ def _differs(now: tuple | None, then: tuple | None, device: torch.device) -> tor
     if now is None or then is None:
         return torch.ones((), dtype=torch.bool, device=device)
     return (now[0] != then[0]).any() | (now[1] != then[1]).any()
+
+
+def worker_threads() -> int:
+    """The CPU step's threads: the process's own (torch's, within the cores it may run on) less
+    two, left to the threads that launch the forward and backward on the GPU: a worker on every
+    core slows those, and with them the GPU, more than its own step gains."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores) - 2)
 
 
 class _OnCpu:
@@ -215,7 +227,7 @@ class CpuSteps:
         if self.worker is None:
             self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shrinkwrap-step",
                                                                 initializer=torch.set_num_threads,
-                                                                initargs=(torch.get_num_threads(),))
+                                                                initargs=(worker_threads(),))
         if delayed:
             with self.lock:
                 self.deferred.append((name, on, copied, step))

@@ -10,11 +10,14 @@ one pass over a cached table, not a random number a value (torch's CPU generator
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _SPAN = 1 << 16  # the noise's values: every 16-bit number once
-_CHUNK = 1 << 20  # values rounded at a time, through a scratch buffer that stays in cache
+_CHUNK = 1 << 22  # values rounded at a time, through a scratch buffer that stays in cache
 _TABLES: dict = {}
+_HIGH = 1 if sys.byteorder == "little" else 0  # where an int32's top half is, as two int16s
 
 
 def _table() -> torch.Tensor:
@@ -52,5 +55,4 @@ def round_into(out: torch.Tensor, master: torch.Tensor, generator: torch.Generat
         # The carry of the noise into the bf16 part is the rounding up; a value's sign bit stays,
         # so negative values round away from zero as positive ones do.
         torch.add(part, table[offsets[i]:offsets[i] + n], out=work)
-        work.bitwise_right_shift_(16)
-        dest[start:start + n].copy_(work)  # int32 to int16 keeps the low half: the bf16 bits
+        dest[start:start + n].copy_(work.view(torch.int16)[_HIGH::2])  # each value's top half: its bf16 bits
