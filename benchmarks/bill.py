@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shrinkwrap as sw  # noqa: E402
+from shrinkwrap.transforms.optimizer.cpu import worker_threads  # noqa: E402
 from harness import JSON_HELP, ROW_KEYS, save_rows  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
@@ -303,7 +304,7 @@ def profile(config_name: str, names: list[str], steps: int = 6) -> list[dict]:
         out.append({"model": config_name, "config": name, "plan": PLANS[name], "kind": "profile", **{
             f"{k}_ms": v for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 1),
             "worker_ms": round(opt.worker_s / n * 1e3, 1), "waited_ms": round(opt.waited_s / n * 1e3, 1),
-            "threads": torch.get_num_threads(), "parameters": sum(p.numel() for p in model.parameters()),
+            "threads": torch.get_num_threads(), "worker_threads": worker_threads(), "parameters": sum(p.numel() for p in model.parameters()),
             "steps": n, **_stamp()})
         print(json.dumps(out[-1]), flush=True)
         del model, opt, loss

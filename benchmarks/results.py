@@ -147,7 +147,9 @@ TOKENS = 4 * 2048  # the bill's batch: tokens a step
 def bill_section() -> list[str]:
     rows = load("bill.json")
     mem = [r for r in rows if bill_kind(r) == "rows"]
+    # Against what users do (``plain``) where the model has that row, else the activation plan alone.
     best = {r["model"]: r for r in mem if r["config"] == "best" and "peak_mib" in r}
+    best.update({r["model"]: r for r in mem if r["config"] == "plain" and "peak_mib" in r})
     body = []
     for r in sorted(mem, key=lambda r: (r["model"] != "qwen05b", r["model"])):
         if "peak_mib" not in r:
@@ -159,16 +161,36 @@ def bill_section() -> list[str]:
                      num(r["optimizer_state_mib"]), num(r["activations_mib"]), f"{r['bytes_per_parameter']:.2f}",
                      num(r.get("step_ms")), str(round(TOKENS / r["step_ms"] * 1e3)) if r.get("step_ms") else "-"])
     out = section("The whole memory bill", mem, table(
-        ["model", "config", "plan", "peak MiB", "x best", "parameters", "gradients", "optimizer state",
+        ["model", "config", "plan", "peak MiB", "x plain (else best)", "parameters", "gradients", "optimizer state",
          "activations", "bytes/parameter", "step ms (its process)", "tokens/s"], body),
         "The steady step's peak of fine-tuning with AdamW, split by kind (activations: what the rest leaves), each "
         "row in a fresh process (`benchmarks/bill.py rows`, `headline` for llama3b): `qwen05b` is Qwen2-0.5B's "
         "shape (494M parameters, 151,936 vocabulary) at 4x2048 tokens, `llama3b` Llama-3.2-3B's (3.2B parameters). "
-        "`best` is the activation plan alone; the others step in backward, with the state on the GPU, on the CPU, "
-        "8-bit (`lossy`), or torchao's `CPUOffloadOptimizer`. Bytes per parameter: the peak less activations, over "
-        "the parameters.")
-    return out + bill_times_section(rows) + bill_curves_section(rows) + bill_estimates_section(rows) \
-        + step_checks_section()
+        "`best` is the activation plan alone; the others step in backward, with the state on the GPU, on the CPU "
+        "(`_delayed`: the CPU's step of iteration i during iteration i+1), 8-bit (`lossy`), or torchao's "
+        "`CPUOffloadOptimizer`. Held-out decoders (`bill.py rows --model`): `smollm17b` (SmolLM2-1.7B's shape) and "
+        "`gemma2b` (Gemma 3 at Gemma-2-2B's size, 2.6B parameters, 262,208 vocabulary), beside `plain`: Hugging "
+        "Face's gradient checkpointing, bf16 autocast, fused AdamW. Bytes per parameter: the peak less activations, "
+        "over the parameters.")
+    return out + bill_times_section(rows) + bill_profile_section(rows) + bill_curves_section(rows) \
+        + bill_estimates_section(rows) + step_checks_section()
+
+
+def bill_profile_section(rows: list[dict]) -> list[str]:
+    """Where a step's time goes with the state on the CPU (``bill.py profile``)."""
+    prof = [r for r in rows if bill_kind(r) == "profile"]
+    if not prof:
+        return []
+    return section("Where a step goes with the state on the CPU", prof, table(
+        ["model", "config", "forward ms", "backward ms", "step() ms", "step ms", "CPU stepping ms", "loop waited ms",
+         "threads", "tokens/s"],
+        [[r["model"], r["config"], num(r["forward_ms"]), num(r["backward_ms"]), num(r["optimizer_step_ms"]),
+          num(r["step_ms"]), num(r["worker_ms"]), num(r["waited_ms"]), str(r["threads"]),
+          str(round(TOKENS / r["step_ms"] * 1e3))] for r in prof]),
+        "A step of each plan in its own loop (`bill.py profile`; synchronised between forward, backward and "
+        "`step()`; medians of 4 steps after 2): the CPU path's worker thread's seconds a step (stepping, and waiting "
+        "for its gradient's copy down), and the seconds the loop waited for it (at `step()`, or, delayed, at a "
+        "parameter's hook); threads: torch's, of which the worker steps on two fewer. The host's link, memory and CPU AdamW are in [The host](#the-host-link-memory-and-the-cpu-optimizer).")
 
 
 def bill_times_section(rows: list[dict]) -> list[str]:
