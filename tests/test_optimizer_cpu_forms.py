@@ -5,6 +5,7 @@ float32 master copy into bf16 weights."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -259,3 +260,16 @@ def test_a_bf16_weight_changed_through_data_is_what_the_stochastic_step_starts_f
         model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
         opt.step()
     assert torch.equal(model.weight, want)  # lr 0: the clamped weight, not the master's old values
+
+
+def test_a_measurement_says_what_the_cpu_step_cost_and_when_it_sets_the_step_time():
+    model = sw.apply(Net().double(), DELAYED.replace(", delayed=True", ""))
+    prof = sw.measure(model, _batch(0), device="cpu", iterations=2, warmup=1)
+    assert prof.cpu_step["worker_ms"] > 0 and prof.cpu_step["threads"] >= 1
+    assert "the CPU's optimizer step stepped" in str(prof)
+    assert sw.measure(Net().double(), _batch(0), device="cpu", iterations=1, warmup=1).cpu_step is None
+    slow = dataclasses.replace(prof, step_ms=100.0, cpu_step={"worker_ms": 90.0, "waited_ms": 40.0, "threads": 14})
+    fast = dataclasses.replace(slow, cpu_step={**slow.cpu_step, "waited_ms": 5.0})
+    assert slow.cpu_bound and not fast.cpu_bound
+    assert "the CPU, not the device, sets this step's time" in slow.cpu_note()
+    assert "sets" not in fast.cpu_note()

@@ -22,7 +22,7 @@ ROW_KEYS = {
     "step_ms", "step_ratio", "matched", "skipped", "peak_mib", "first_peak_mib", "static_mib", "saved_mib",
     "parameters_mib", "gradients_mib", "optimizer_state_mib", "batch_mib", "breakdown", "phases",
     "top_modules", "timeline_probe", "timeline", "snapshot", "role", "round", "batch_size", "fits",
-    "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib", "rank", "ranks",
+    "compiled", "first_ms", "recompiles", "graph_breaks", "transfers_mib", "cpu_step", "rank", "ranks",
     "fit_mib", "fit_below_mib", "fit_resolution_mib", "fit_iterations", "trained_under_mib", "frontier",
 }
 

@@ -40,6 +40,9 @@ JSON schema ``shrinkwrap.report/1`` (field names are stable; new fields may be a
       snapshot (path of the CUDA memory snapshot, or null),
       transfers_mib {offloaded, reloaded} (per timed iteration, moved between the device and the
         CPU by offload regions; {} when nothing moved),
+      cpu_step {worker_ms, waited_ms, threads, cpu_bound} (step_in_backward(state='cpu'): per timed
+        iteration, the CPU worker's time stepping and the loop's waiting for it; cpu_bound where the
+        wait is a tenth of the step or more; null without that step),
       compiled (the model ran under torch.compile), first_ms (the first iteration, compilation
         included; step_ms excludes it), recompiles (graphs compiled after warm-up) and
         graph_breaks (dynamo's count; both null for a model not compiled),
@@ -347,6 +350,8 @@ class Report:
             if p.transfers:
                 moved = ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in p.transfers.items())
                 lines.append(f"moved between device and CPU per iteration, {row.label}: {moved}")
+            if p.cpu_step is not None:
+                lines.append(f"{row.label}: {p.cpu_note()}")
             if p.compiled:
                 lines.append(f"compiled, {row.label}: first iteration {p.first_ms:.0f} ms with compilation, "
                              f"graph breaks {p.graph_breaks}, recompiles after warm-up {p.recompiles}")
@@ -448,6 +453,8 @@ def _profile_dict(p: "Profile | None") -> dict[str, Any]:
         "timeline": [{"module": e.module, "event": e.event, "mib": _mib(e.bytes)} for e in (p.timeline if p else [])],
         "snapshot": p.snapshot if p else None,
         "transfers_mib": {k: _mib(v) for k, v in p.transfers.items()} if p else {},
+        "cpu_step": ({**{k: round(v, 3) for k, v in p.cpu_step.items()}, "cpu_bound": p.cpu_bound}
+                     if p and p.cpu_step is not None else None),
         "compiled": p.compiled if p else None,
         "first_ms": round(p.first_ms, 3) if p and p.first_ms is not None else None,
         "recompiles": p.recompiles if p else None,

@@ -40,7 +40,10 @@ class Profile:
     backward, unique storages), ``parameters`` (parameters and buffers), ``gradients``,
     ``optimizer_state``, ``batch``, ``step_ms`` (median, warm-up excluded), ``first_ms`` (the
     first iteration, compilation included), ``transfers`` (bytes per timed iteration that
-    shrinkwrap's regions moved between the device and the CPU, by direction: offload's PCIe traffic). ``timeline`` is the per-module log of one iteration,
+    shrinkwrap's regions moved between the device and the CPU, by direction: offload's PCIe traffic),
+    ``cpu_step`` (with ``step_in_backward(state='cpu')``: per timed iteration, the CPU worker's
+    milliseconds stepping, ``worker_ms``, the loop's waiting for it, ``waited_ms``, and the
+    worker's ``threads``; see :attr:`cpu_bound`). ``timeline`` is the per-module log of one iteration,
     read with ``timeline_probe`` (``"allocated"`` or ``"saved_for_backward"``).
 
     A model compiled with ``torch.compile`` (``compiled``): ``graph_breaks`` and ``recompiles``
@@ -86,6 +89,7 @@ class Profile:
     top_modules: list[tuple[str, int]] = field(default_factory=list)
     snapshot: str | None = None
     transfers: dict[str, float] = field(default_factory=dict)
+    cpu_step: dict | None = None
     compiled: bool = False
     first_ms: float | None = None
     recompiles: int | None = None
@@ -98,6 +102,23 @@ class Profile:
     @property
     def cuda_graphs(self) -> bool:
         return self.graph_pool is not None
+
+    @property
+    def cpu_bound(self) -> bool:
+        """Whether the CPU's optimizer step, not the device, set the step time: the loop waited
+        for it a tenth of the step or more (``step_in_backward(state='cpu')``)."""
+        return self.cpu_step is not None and self.cpu_step["waited_ms"] >= 0.1 * self.step_ms
+
+    def cpu_note(self) -> str | None:
+        """What the CPU's optimizer step cost the step, in a sentence; None without one."""
+        c = self.cpu_step
+        if c is None:
+            return None
+        said = (f"the CPU's optimizer step stepped {c['worker_ms']:.0f} ms a step on {c['threads']} threads, and the "
+                f"loop waited {c['waited_ms']:.0f} ms of the {self.step_ms:.0f} ms step for it")
+        if self.cpu_bound:
+            said += ": the CPU, not the device, sets this step's time (delayed=True hides the wait behind the next step)"
+        return said
 
     @property
     def peak_phase(self) -> str | None:
@@ -138,6 +159,8 @@ class Profile:
         lines.append(f"  step time: {self.step_ms:.1f} ms (median of {len(self.step_times_ms)})")
         if self.transfers:
             lines.append("  moved per iteration: " + ", ".join(f"{k} {mib(v)}" for k, v in self.transfers.items()))
+        if self.cpu_step is not None:
+            lines.append(f"  {self.cpu_note()}")
         if self.compiled:
             lines.append(f"  compiled: first iteration {self.first_ms:.0f} ms (compilation included); "
                          f"graph breaks {self.graph_breaks}, recompiles after warm-up {self.recompiles}")

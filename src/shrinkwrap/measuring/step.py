@@ -40,6 +40,7 @@ from .. import _rewrite
 from .._tree import tensors, tree_map
 from .._wrapper import TransparentWrapper
 from ..select import compiled_how, require_module, text, wrong
+from ..transforms.optimizer.cpu import worker_threads
 from ..transforms.optimizer.interface import trained_by
 from .graphs import _as_recorded, _dynamo_counts, graph_pool_bytes, _graph_trees, _recompile_limit, _recorded_whole, _replays
 from .modules import ModuleLog
@@ -326,8 +327,17 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         recorded = _as_recorded(steady, replayed, warm, unseen_grads)
         steady = recorded or [Phase(p.name, p.allocated + pool, p.peak + pool) for p in steady]
     _transfers(model, reset=True)
+    handle = trained_by(model)
+    on_cpu = handle is not None and getattr(handle, "on_cpu", False)
+    before = (handle.worker_s, handle.waited_s) if on_cpu else None
     times = _timed(step, device, options.iterations)
     transfers = {k: v / options.iterations for k, v in _transfers(model, reset=True).items() if v}
+    cpu_step = None
+    if on_cpu:
+        # The timed iterations' CPU steps: the worker's seconds, and the loop's waiting for it.
+        cpu_step = {"worker_ms": (handle.worker_s - before[0]) * 1e3 / options.iterations,
+                    "waited_ms": (handle.waited_s - before[1]) * 1e3 / options.iterations,
+                    "threads": worker_threads()}
     graphs, breaks = counts()
 
     saved: SavedTensors | None = None
@@ -359,6 +369,7 @@ def _measure(model: nn.Module, batch: Any, options: Options, snapshot: str | Non
         top_modules=log.contributors()[:10],
         snapshot=snapshot,
         transfers=transfers,
+        cpu_step=cpu_step,
         compiled=compiled,
         first_ms=first_ms,
         recompiles=graphs - graphs_warm if compiled else None,
