@@ -143,6 +143,16 @@ def test_the_model_trails_its_optimizer_by_one_step_until_wait_an_evaluation_or_
     saved = opt.state_dict()  # brings the weights up to date too
     assert not all(torch.equal(a, b) for a, b in zip(written, model.parameters()))
     assert saved["state"][0]["step"] == 2
+    # model.state_dict() (a checkpoint, save_pretrained) reads the latest weights.
+    opt.zero_grad()
+    _loss(model, 2).backward()
+    opt.step()
+    trailing = [p.detach().clone() for p in model.parameters()]
+    weights = model.state_dict()
+    assert not all(torch.equal(a, weights[n]) for a, (n, _) in zip(trailing, model.named_parameters()))
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    sw.revert(model)  # and the hook goes with the step
+    assert not model._state_dict_pre_hooks
 
 
 def test_a_non_finite_gradient_drops_the_whole_delayed_backward_and_step_raises():

@@ -34,6 +34,19 @@ class _Bind:
         self.handle.before_forward(module)
 
 
+class _Latest:
+    """State-dict pre-hook of the root with ``delayed=True``: the latest weights written into the
+    model before ``model.state_dict()`` reads them (a checkpoint, ``save_pretrained``)."""
+
+    def __init__(self, handle: InBackward) -> None:
+        self.handle = weakref.ref(handle)
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        handle = self.handle()
+        if handle is not None:
+            handle.wait()
+
+
 @dataclasses.dataclass
 class _Detach:
     """Undo entry: the handle's hooks removed, its worker stopped, the gradients' stand-ins dropped."""
@@ -179,8 +192,10 @@ class StepInBackward(Step):
         handle.model = weakref.ref(model)
         handle.bind(model)
         model.__dict__[HANDLE] = handle
-        hook = _rewrite.Hooked(model.register_forward_pre_hook(_Bind(handle)))
-        return [_Detach(handle), hook]
+        hooks = [_rewrite.Hooked(model.register_forward_pre_hook(_Bind(handle)))]
+        if self.delayed:
+            hooks.append(_rewrite.Hooked(model.register_state_dict_pre_hook(_Latest(handle))))
+        return [_Detach(handle), *hooks]
 
 
 def optimizer(model: nn.Module) -> InBackward:
