@@ -37,7 +37,9 @@ import argparse
 import datetime
 import functools
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -270,9 +272,6 @@ def profile(config_name: str, names: list[str], steps: int = 6) -> list[dict]:
     """Where a step's time goes, each plan in turn in this process: forward, backward and
     ``step()`` (synchronised between them), and what the CPU path's worker did meanwhile: its
     seconds stepping, and the seconds the loop waited for it. Medians past two warm-up steps."""
-    import statistics
-    import time
-
     vocab = CONFIGS[config_name]().vocab_size
     ids = batch(vocab)["input_ids"].to(DEVICE)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)

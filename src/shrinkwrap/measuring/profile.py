@@ -117,7 +117,8 @@ class Profile:
         said = (f"the CPU's optimizer step stepped {c['worker_ms']:.0f} ms a step on {c['threads']} threads, and the "
                 f"loop waited {c['waited_ms']:.0f} ms of the {self.step_ms:.0f} ms step for it")
         if self.cpu_bound:
-            said += ": the CPU, not the device, sets this step's time (delayed=True hides the wait behind the next step)"
+            said += (": the CPU, not the device, sets this step's time (delayed=True hides the wait behind the "
+                     "next step)")
         return said
 
     @property

@@ -160,6 +160,8 @@ class CpuSteps:
             changed = _differs(fingerprint(p), on.written, p.device).to(two[0].dtype)
             told = torch.stack([two[0], peak[0], changed])
         if pending:
+            # After the fingerprint of the weight it replaces, and before this gradient comes down
+            # over the buffer its step read.
             self._write_pending(p, on)
         if p.is_cuda:
             down.wait_stream(torch.cuda.current_stream(p.device))
@@ -302,4 +304,3 @@ class CpuSteps:
         if device not in self.streams:
             self.streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
         return self.streams[device]
-

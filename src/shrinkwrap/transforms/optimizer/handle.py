@@ -124,9 +124,10 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Runs ``closure`` (its backward steps the parameters), waits for updates on the CPU
-        (delayed: hands them to the CPU, to be written up in the next backward), and steps, as a plain optimizer would, each parameter whose gradient is still in ``.grad``: a
-        backward that kept its graph left it there, or FSDP2 held the parameter unsharded when
-        the hooks were placed. Raises where the last backward stopped at a non-finite gradient."""
+        (delayed: hands them to the CPU, to be written up in the next backward), and steps, as a
+        plain optimizer would, each parameter whose gradient is still in ``.grad``: a backward that
+        kept its graph left it there, or FSDP2 held the parameter unsharded when the hooks were
+        placed. Raises where the last backward stopped at a non-finite gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -10,22 +10,21 @@ one pass over a cached table, not a random number a value (torch's CPU generator
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
 _SPAN = 1 << 16  # the noise's values: every 16-bit number once
 _CHUNK = 1 << 22  # values rounded at a time, through a scratch buffer that stays in cache
-_TABLES: dict = {}
 _HIGH = 1 if sys.byteorder == "little" else 0  # where an int32's top half is, as two int16s
 
 
+@functools.cache
 def _table() -> torch.Tensor:
     """The permutation, repeated to cover a chunk from any offset (int32)."""
-    if "noise" not in _TABLES:
-        perm = torch.randperm(_SPAN, generator=torch.Generator().manual_seed(0x5EED), dtype=torch.int32)
-        _TABLES["noise"] = perm.repeat(_CHUNK // _SPAN + 1)
-    return _TABLES["noise"]
+    perm = torch.randperm(_SPAN, generator=torch.Generator().manual_seed(0x5EED), dtype=torch.int32)
+    return perm.repeat(_CHUNK // _SPAN + 1)
 
 
 def round_into(out: torch.Tensor, master: torch.Tensor, generator: torch.Generator | None = None) -> None:

@@ -227,4 +227,5 @@ def apply_step_in_backward(model: nn.Module, optimizer: type = torch.optim.AdamW
 
         >>> apply_step_in_backward(model, torch.optim.AdamW, {"lr": 1e-4}); opt = sw.optimizer(model)
     """
-    return StepInBackward(optimizer, options, state, delayed, rounding).apply(require_module(model, "apply_step_in_backward()"))
+    step = StepInBackward(optimizer, options, state, delayed, rounding)
+    return step.apply(require_module(model, "apply_step_in_backward()"))
