@@ -18,13 +18,16 @@ from ..report import Row
 from ..step import Candidate, Context, registered
 
 SAME_MEMORY = 0.02  # plans whose memory differs by less are alike in it: the faster is the answer
+BEATEN = 0.10  # a plan within this of the answer's memory and this much faster answers instead (stages.unbeaten);
+# a row this much faster is verified (one row's time is noisy); and this much of the time limit is added
+# to the room regions are left unmeasured against (on_top)
 
 
 def _outdone(mem: float, within: list[float]) -> bool:
     """Whether a plan that reads ``mem`` gives way, whatever its time, to a plan within the limits
     that reads one of ``within``, where the answer is the least memory within them: one that reads
-    more than :data:`SAME_MEMORY` less."""
-    return any((1 + SAME_MEMORY) * m < mem for m in within)
+    :data:`BEATEN` or more less (within that, a faster plan may answer: ``_Search.unbeaten``)."""
+    return any(m <= (1 - BEATEN) * mem for m in within)
 
 
 def _timing_decides(mem: float | None, target: float | None, within: list[float] | None) -> bool:

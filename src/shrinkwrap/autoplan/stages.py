@@ -19,13 +19,10 @@ from ..report import Row
 from ..select import innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
-from .choose import (SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone, _timing_decides,
-                     _without)
+from .choose import (BEATEN, SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone,
+                     _timing_decides, _without)
 from .compiled import _budgeted, _every_block, _Ahead, _Turn
 from .rows import Rows
-
-BEATEN = 0.10  # a row this much faster than the answer, in alike memory, is verified (one row's time is noisy);
-# and this much of the time limit is added to the room regions are left unmeasured against (on_top)
 
 
 def _finer(chosen: list[Effect], model: nn.Module) -> list[Effect] | None:
@@ -142,14 +139,14 @@ class _Search:
 
     def within(self, rows: list[Row]) -> list[float] | None:
         """What the ``rows`` within the limits read, where the answer is the least memory within
-        them (a plan reading more than :data:`SAME_MEMORY` more is outdone); None where it is the
+        them (a plan reading :data:`BEATEN` more or over is outdone); None where it is the
         fastest plan within the budget."""
         return [self.metric(r) for r in rows if self.fits(r)] if self.least_memory else None
 
     def outdone(self, row: Row, beside: list[Row]) -> bool:
         """Whether :meth:`final` answers with a row of ``beside`` before ``row`` whatever ``row``'s
         time: where the least memory within the time limit is the answer, one within the limits
-        that reads more than :data:`SAME_MEMORY` less. Its timing in turns then decides nothing
+        that reads :data:`BEATEN` less or under. Its timing in turns then decides nothing
         (a compiled plan's is a second compilation, from the caches, and rounds of the eager
         baseline beside it)."""
         within = self.within(beside)
@@ -409,7 +406,8 @@ class _Search:
     def undominated(self, tried: list[Row], measured: list[Row], tries: int = 2) -> list[Row]:
         """``tried`` with the rows that would beat the answer verified: a row autoplan measured but
         did not verify (a candidate on top of the base, a plan an earlier call with the same cache
-        verified) that reads as little memory (within :data:`SAME_MEMORY`, and within the budget)
+        verified) that reads as little memory (within :data:`SAME_MEMORY`, and within the budget;
+        within :data:`BEATEN` where the least memory is the answer, as :meth:`unbeaten` reads it)
         in :data:`BEATEN` less time is measured as a chosen plan is (:meth:`measure_chosen`), and
         the answer is chosen again. No row of its own search then beats the answer on both axes
         beyond one row's noise, and a looser limit cannot answer with a plan that a tighter
@@ -439,7 +437,8 @@ class _Search:
                 mem, faster = (self.metric(best) if self.holds(best) else self.base_mem), None
             else:
                 break
-            better = [r for r in known if faster is not None and self.metric(r) <= (1 + SAME_MEMORY) * mem
+            alike = (1 + (BEATEN if least_within else SAME_MEMORY)) * mem  # the window unbeaten() answers from
+            better = [r for r in known if faster is not None and self.metric(r) <= alike
                       and (self.target is None or self.metric(r) <= self.target)
                       and r.profile.step_ms < (1 - BEATEN) * faster]
             better = better or [r for r in known if least_within and self.metric(r) <= (1 - SAME_MEMORY) * mem
@@ -527,6 +526,21 @@ class _Search:
             self.ahead = ahead
         return there
 
+    def unbeaten(self, answer: Row, ok: list[Row], least: float) -> Row:
+        """The least-memory ``answer`` or a row of ``ok`` that beats it: one within :data:`BEATEN`
+        of its memory and at least :data:`BEATEN` faster answers instead, again from there (the
+        user asked for speed within the memory, and 6% of memory is noise next to 2x the speed).
+        Never a row :data:`BEATEN` or more over ``least``, the least memory within the limits: that
+        row would beat it in turn, and the memory asked for comes first. Each move is 10% faster,
+        so the walk ends."""
+        while True:
+            mem, t = self.metric(answer), answer.profile.step_ms
+            faster = [r for r in ok if self.metric(r) <= (1 + BEATEN) * mem and (1 - BEATEN) * self.metric(r) < least
+                      and r.profile.step_ms <= (1 - BEATEN) * t]
+            if not faster:
+                return answer
+            answer = min(faster, key=lambda r: (r.profile.step_ms, self.metric(r)))
+
     def final(self, tried: list[Row]) -> Row:
         """The fastest plan that fits a budget, the smallest that fits a time limit. Where none fits
         both, the same of those that meet the limit that comes first (:meth:`holds`): the fastest
@@ -537,6 +551,7 @@ class _Search:
             return min(ok, key=lambda r: (r.profile.step_ms, self.metric(r)))
         if ok:  # the smallest, and of plans within 2% of it (memory alike), the fastest
             least = min(self.metric(r) for r in ok)
-            return min((r for r in ok if self.metric(r) <= least * (1 + SAME_MEMORY)), key=lambda r: r.profile.step_ms)
+            answer = min((r for r in ok if self.metric(r) <= least * (1 + SAME_MEMORY)), key=lambda r: r.profile.step_ms)
+            return self.unbeaten(answer, ok, least)
         measured = [r for r in tried if r.profile is not None] or tried
         return min(measured, key=lambda r: self.metric(r) if r.profile else math.inf)
