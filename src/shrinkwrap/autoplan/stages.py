@@ -535,7 +535,7 @@ class _Search:
         so the walk ends."""
         while True:
             mem, t = self.metric(answer), answer.profile.step_ms
-            faster = [r for r in ok if self.metric(r) <= (1 + BEATEN) * mem and (1 - BEATEN) * self.metric(r) < least
+            faster = [r for r in ok if self.metric(r) <= (1 + BEATEN) * mem and not _outdone(self.metric(r), [least])
                       and r.profile.step_ms <= (1 - BEATEN) * t]
             if not faster:
                 return answer
