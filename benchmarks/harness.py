@@ -204,14 +204,38 @@ ZOO: dict[str, tuple[str, ...]] = {
     "maxvit_t": ("MaxVitLayer",),
     "mobilenet_v3_small": ("InvertedResidual",),
 }
+# timm models of families the torchvision ones lack: name -> (block classes, batch)
+TIMM: dict[str, tuple[tuple[str, ...], int]] = {
+    "efficientnetv2_rw_s": (("DepthwiseSeparableConv", "EdgeResidual", "InvertedResidual"), 64),
+    "convnext_nano": (("ConvNeXtBlock",), 128),
+    "vit_small_patch16_224": (("Block",), 128),
+    "fastvit_t8": (("RepMixerBlock", "AttentionBlock"), 128),
+    "mixer_s16_224": (("MixerBlock",), 128),
+    "poolformer_s12": (("MetaFormerBlock",), 128),
+    "ghostnet_100": (("GhostBottleneck",), 128),
+    "cspdarknet53": (("DarkBlock", "BottleneckBlock"), 64),
+    "hrnet_w18_small": (("BasicBlock", "Bottleneck"), 64),
+    "mobilevit_s": (("MobileVitBlock", "BottleneckBlock"), 64),
+}
+ZOO.update({name: blocks for name, (blocks, _) in TIMM.items()})
 SHAPES = {"inception_v3": (3, 299, 299)}  # one sample's shape, where not 3x224x224
 
 
 def build_zoo(name: str) -> nn.Module:
-    """A fresh torchvision model on the GPU (module-level: autoplan sends it to fresh processes)."""
+    """A fresh torchvision or timm model on the GPU (module-level: autoplan sends it to fresh
+    processes). A timm model must hold a block class its ``TIMM`` entry names: the one-line
+    recipe checkpoints those."""
+    torch.manual_seed(0)
+    if name in TIMM:
+        import timm
+
+        model = timm.create_model(name, pretrained=False)
+        found = {type(m).__name__ for m in model.modules()}
+        if not found & set(TIMM[name][0]):
+            raise ValueError(f"{name} holds none of the block classes {TIMM[name][0]} (timm {timm.__version__})")
+        return model.cuda()
     import torchvision
 
-    torch.manual_seed(0)
     return torchvision.models.get_model(name, weights=None).cuda()
 
 
@@ -220,8 +244,8 @@ def setup(name: str) -> tuple[Callable[[], nn.Module], Any, tuple[str, ...]]:
     if name in MODELS:
         _, batch = load_bench(name, MODELS[name][1])
         return functools.partial(build, name), batch, MODELS[name][2]
-    shape = SHAPES.get(name, (3, 224, 224))
-    return functools.partial(build_zoo, name), torch.randn(BATCH, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
+    shape, size = SHAPES.get(name, (3, 224, 224)), TIMM[name][1] if name in TIMM else BATCH
+    return functools.partial(build_zoo, name), torch.randn(size, *shape, generator=torch.Generator().manual_seed(0)), ZOO[name]
 
 
 # -- every configuration in one process ---------------------------------------------------------------

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from harness import bill_kind, load_rows  # noqa: E402
+from shrinkwrap.autoplan.choose import BEATEN  # noqa: E402  autoplan's own rule, read by beaten_by
 
 OUT = HERE / "RESULTS.md"
 MODELS = ("resnet18", "efficientnet_b0", "resnet152", "gpt2", "bert")
@@ -307,6 +308,27 @@ def graphs_section() -> list[str]:
 # -- autoplan on the zoo -----------------------------------------------------------------------------
 ZOO_ROWS = ("ckpt_every_block+bf16", "ckpt_every_block+bf16_compiled", "compile_budget0.5+bf16")
 ZOO_AUTO = ("auto_fast", "auto_small", "auto_compile")
+ZOO_SLOWDOWN = {"auto_fast": 1.0, "auto_small": 1.5, "auto_compile": 1.0}  # zoo.py's AUTOPLAN
+
+
+def beaten_by(config: str, got: dict[str, dict]) -> list[str]:
+    """The rows of a model (``got``, by configuration) that beat its autoplan answer ``config`` by
+    autoplan's rule: within 10% of its activation and at least 10% faster, or at least 10% less
+    activation within its time limit (``ZOO_SLOWDOWN`` x fp32's step time), medians timed in turns.
+    An eager answer is read against the eager rows only: compiled rows are compile=True's to answer;
+    another answer of the same plan is no other plan."""
+    a, base = got[config], got.get("base_fp32")
+    limit = ZOO_SLOWDOWN[config] * base["step_ms"] if base and base.get("step_ms") else None
+    out = []
+    for name, r in got.items():
+        if name == config or not r.get("step_ms") or "activation_mib" not in r or \
+                (config != "auto_compile" and "compile" in name) or (r.get("plan") and r.get("plan") == a.get("plan")):
+            continue
+        faster = r["activation_mib"] <= (1 + BEATEN) * a["activation_mib"] and r["step_ms"] <= (1 - BEATEN) * a["step_ms"]
+        smaller = r["activation_mib"] <= (1 - BEATEN) * a["activation_mib"] and limit is not None and r["step_ms"] <= limit
+        if faster or smaller:
+            out.append(name)
+    return out
 
 
 def zoo_lines(rows: list[dict]) -> list[str]:
@@ -316,7 +338,7 @@ def zoo_lines(rows: list[dict]) -> list[str]:
     by_model: "OrderedDict[str, dict[str, dict]]" = OrderedDict()
     for r in rows:
         by_model.setdefault(r["model"], {})[r["config"]] = r
-    body, dominated, by_compiled, answers = [], [], [], 0
+    body, dominated, by_compiled, beat, answers = [], [], [], [], 0
 
     def cell(r: dict | None, base: dict | None, ref: dict | None) -> str:
         if r is None:
@@ -328,32 +350,41 @@ def zoo_lines(rows: list[dict]) -> list[str]:
 
     for model, got in by_model.items():
         if "all" in got:
-            body.append([model, f"error: {got['all']['error']}", *[""] * (2 * len(ZOO_AUTO) + len(ZOO_ROWS) + 1)])
+            body.append([model, f"error: {got['all']['error']}", *[""] * (3 * len(ZOO_AUTO) + len(ZOO_ROWS) + 2)])
             continue
         base, ref = got.get("base_fp32"), got.get("compile+bf16")
         line = [model]
         for a in ZOO_AUTO:
             r = got.get(a)
-            line += [cell(r, base, ref), ", ".join(r.get("dominated_by") or []) or "none" if r and "activation_mib" in r
-                     else "-"]
-            if r and "activation_mib" in r:
+            answered = bool(r and "activation_mib" in r)
+            beaten = beaten_by(a, got) if answered and r.get("step_ms") else []
+            line += [cell(r, base, ref), ", ".join(r.get("dominated_by") or []) or "none" if answered else "-",
+                     ", ".join(beaten) or "none" if answered else "-"]
+            if answered:
                 answers += 1
                 dominated += [f"{model} {a}"] if r.get("dominated_by") else []
+                beat += [f"{model} {a}"] if beaten else []
                 if a != "auto_compile" and r.get("dominated_by") and all("compile" in d for d in r["dominated_by"]):
                     by_compiled.append(f"{model} {a}")
         line += [cell(got.get(c), base, ref) for c in ZOO_ROWS]
         line.append(" / ".join(num(got.get(a, {}).get("autoplan_s")) for a in ZOO_AUTO))
+        cold = (got.get("compile+bf16") or {}).get("first_ms")
+        stage = (got.get("auto_compile") or {}).get("compile_stage_s")
+        line.append(f"{num(stage)} / {num(cold and cold / 1000)}" if stage is not None else "-")
         gpus = {r.get("gpu") for r in got.values() if r.get("gpu")}
         line.append(", ".join(sorted(g.replace("NVIDIA ", "").split()[0] for g in gpus)) or "-")
         body.append(line)
-    heads = ["model"] + [h for a in ("1.0x", "1.5x", "compile=True") for h in (f"autoplan {a}", "dominated by")]
+    heads = ["model"] + [h for a in ("1.0x", "1.5x", "compile=True") for h in (f"autoplan {a}", "dominated by",
+                                                                                "beaten by")]
     heads += ["every block + bf16", "the same compiled", "compile + bf16, budget 0.5", "autoplan s (1.0x / 1.5x / compile)",
-              "GPU"]
+              "compile stage s / cold compile s", "GPU"]
     out = table(heads, body)
     out += [f"Dominated: {len(dominated)} of {answers} answers" + (f" ({', '.join(dominated)})" if dominated else "")
             + ("; each only by a compiled row" if by_compiled and by_compiled == dominated else
                f"; of the eager answers, {len(by_compiled)} only by a compiled row ({', '.join(by_compiled)})"
-               if by_compiled else "") + ".", ""]
+               if by_compiled else "") + ".",
+            f"Beaten by autoplan's rule: {len(beat)} of {answers} answers" + (f" ({', '.join(beat)})" if beat else "")
+            + ".", ""]
     return out
 
 
@@ -396,13 +427,16 @@ def zoo_section() -> list[str]:
         return []
     current, _ = latest_runs(rows)
     return section("autoplan on models it was not tuned on", [r for r in current if "gpu" in r], zoo_lines(current),
-                   "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299) and the bench "
-                   "models at their benchmark batch, each in a process of its own, one a GPU. Each cell: activation "
-                   "(peak less static) x fp32's @ step time x compile + bf16's, medians timed in turns in that "
-                   "process. Dominated: another row with at least 2% less activation whose slowest round is faster "
-                   "than the answer's fastest. \"every block\": torch's `checkpoint_wrapper` on the block classes a "
-                   "user names (`harness.ZOO`) under bf16 autocast. A model's autoplan calls share one cache, in the "
-                   "order 1.0x, 1.5x, compile=True: the later calls' seconds leave out what the first one measured.")
+                   "`benchmarks/zoo.py`: torchvision classifiers at batch 64 (inception_v3 at 299x299), timm models "
+                   "at their batch (`harness.TIMM`) and the bench models at theirs, each in a process of its own, one "
+                   "a GPU. A cell: activation (peak less static) x fp32's @ step time x compile + bf16's, medians "
+                   "timed in turns. Dominated: a row with 2% less activation whose slowest round beats the answer's "
+                   "fastest. Beaten (autoplan's rule, `results.beaten_by`): a row within 10% of the answer's "
+                   "activation and 10% faster, or 10% smaller within its time limit; an eager answer against eager "
+                   "rows only. \"every block\": torch's `checkpoint_wrapper` on the block classes a user names "
+                   "(`harness.ZOO`) under bf16 autocast. The autoplan calls share one cache, in the order 1.0x, 1.5x, "
+                   "compile=True: later calls' seconds leave out what the first measured. Compile stage: its seconds "
+                   "beside compile + bf16's first iteration (the model's own compile).")
 
 
 # -- compilation -----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""autoplan on models it was not tuned on: torchvision classifiers of twenty families and the five
-bench models, each against the one-line recipes a user writes by hand.
+"""autoplan on models it was not tuned on: torchvision classifiers of twenty families, timm models
+of ten more (``harness.TIMM``, each at its batch) and the five bench models, each against the
+one-line recipes a user writes by hand.
 
     python benchmarks/zoo.py --models convnext_tiny,swin_t --gpus 0,1 --json benchmarks/zoo.json
     python benchmarks/zoo.py --all --gpus 0,1,2,3 --compile --json benchmarks/zoo.json
@@ -16,8 +17,10 @@ every block checkpointed with torch's ``checkpoint_wrapper`` under bf16 autocast
 (``ckpt_every_block+bf16``; the blocks are the classes named in ``ZOO``, as a user names them),
 the same compiled, and compile + bf16 with the partitioner's ``activation_memory_budget=0.5``
 (``compile_budget0.5+bf16``, measured last: the budget is a global setting, and reaches any later
-compilation in the process). An autoplan row is dominated by a row with at least 2% less activation
-whose slowest round is faster than its fastest (``harness.dominated_by``). A model that fails, or
+compilation in the process). An autoplan row is dominated by a row with at least 2% less
+activation whose slowest round is faster than its fastest (``harness.dominated_by``); RESULTS.md
+also reads each answer by autoplan's own rule (``results.beaten_by``), and compile=True's compile
+stage seconds against ``compile+bf16``'s first iteration, the model's own cold compile. A model that fails, or
 runs past ``--timeout``, is a row with its error. ``benchmarks/results.py`` makes the table of
 RESULTS.md from the rows.
 """
@@ -45,6 +48,7 @@ from harness import (ANCHORS, JSON_HELP, MODELS, ZOO, HandAutocast, compiled, do
                      Ended, load_rows, measure_same_run, on_gpus, save_rows, setup)
 
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
+COMPILE_STAGE = re.compile(r"of which (?P<seconds>[\d.]+) s in the compile stage")
 ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
 
 
@@ -80,6 +84,9 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
         spent = [n for n in report.notes if n.startswith(("autoplan's own time", "of which"))]
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
                         "frontier": [str(r.plan) for r in report.frontier()], "autoplan_time": spent}
+        stage = [m for m in map(COMPILE_STAGE.match, spent) if m]
+        if stage:
+            auto[config]["compile_stage_s"] = float(stage[0]["seconds"])
         print(f"{name} {config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
         for note in spent:
             print(f"  {note}", file=sys.stderr, flush=True)

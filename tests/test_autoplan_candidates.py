@@ -64,6 +64,56 @@ def test_stages_of_blocks_two_levels_down_give_every_block_a_region_of_its_own()
     assert not isinstance(stage, CheckpointModule) and all(isinstance(b, CheckpointModule) for b in stage)
 
 
+class Layer(Block):
+    """A block of three layers with parameters (a ConvNeXt block's convolution, norm and MLP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp.insert(0, nn.LayerNorm(8))
+
+
+class Stage(nn.Module):
+    """timm's ConvNeXt stage: a module of its own holding a downsample and a Sequential of blocks."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.downsample = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+        self.blocks = nn.Sequential(*[Layer() for _ in range(n)])
+
+    def forward(self, x):
+        return self.blocks(self.downsample(x))
+
+
+def test_the_blocks_of_a_stage_of_a_class_of_its_own_are_found():
+    from shrinkwrap.select import blocks_by_depth
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(Stage(2), Stage(3)), nn.Linear(8, 1))
+    groups = block_groups(model)
+    assert groups == [("1", ["1.0", "1.1"], False), ("1.0.blocks", ["1.0.blocks.0", "1.0.blocks.1"], True),
+                      ("1.1.blocks", ["1.1.blocks.0", "1.1.blocks.1", "1.1.blocks.2"], True)]
+    assert blocks_by_depth(model) == [["1.0", "1.1"], ["1.0.blocks.0", "1.0.blocks.1", "1.1.blocks.0", "1.1.blocks.1",
+                                                       "1.1.blocks.2"]]
+    covers = [c.covers for c in candidates(model, device="cpu")]
+    assert ("1.0",) in covers and ("1.1.blocks.0", "1.1.blocks.1", "1.1.blocks.2") in covers
+
+
+def test_blocks_come_a_grain_at_each_depth_of_the_stacks():
+    from shrinkwrap.select import blocks_by_depth, innermost_blocks
+
+    # A stack of stages of stages of blocks, beside a stage of blocks and a downsample: three grains.
+    inner = [nn.Sequential(*[Block() for _ in range(2)]) for _ in range(2)]
+    features = nn.Sequential(nn.Sequential(*inner), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)),
+                             nn.Sequential(*[Block() for _ in range(3)]))
+    model = nn.Sequential(features, nn.Linear(8, 1))
+    grains = blocks_by_depth(model)
+    assert grains == [["0.0", "0.1", "0.2"],
+                      ["0.0.0", "0.0.1", "0.1", "0.2.0", "0.2.1", "0.2.2"],
+                      ["0.0.0.0", "0.0.0.1", "0.0.1.0", "0.0.1.1", "0.1", "0.2.0", "0.2.1", "0.2.2"]]
+    assert sorted(grains[-1]) == sorted(innermost_blocks(model))
+    assert blocks_by_depth(mlp()) == [["1.0", "1.1", "1.2", "1.3"]]  # one stack, one grain
+    assert blocks_by_depth(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
 class Dense(nn.ModuleDict):
     """A DenseNet's dense block: a ModuleDict of layers, each fed what came before."""
 

@@ -285,3 +285,51 @@ def test_the_largest_batch_search_keeps_the_least_memory_plan_when_compiled_rows
     assert str(search.final(rows).plan) == "checkpoint('b'), compile()"
     search.by_memory = False  # a budget to meet at the highest speed: the fastest within it
     assert str(search.final(rows).plan) == "checkpoint('a'), compile()"
+
+
+def stages_of_stages() -> nn.Module:
+    """Two stages, each a stack of two stacks of blocks: three grains of blocks (stages, stacks, blocks)."""
+    torch.manual_seed(0)
+
+    def stack():
+        return nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.LayerNorm(32))
+                               for _ in range(2)])
+
+    return nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(stack(), stack()) for _ in range(2)]),
+                         nn.Linear(32, 4))
+
+
+def test_the_compile_stage_offers_every_block_checkpointed_at_each_depth_of_the_stacks():
+    from shrinkwrap.select import blocks_by_depth, pattern_for
+    from shrinkwrap.transforms.checkpoint import Checkpoint
+
+    model = stages_of_stages()
+    grains = blocks_by_depth(model)
+    assert [len(g) for g in grains] == [2, 4, 8]
+    step = "compile(backend='no_such_backend')"  # fails at once: which plans were tried is the question
+    _, report = sw.autoplan(stages_of_stages, BATCH, max_slowdown=100.0, compile=step, **FAST)
+    tried = {str(r.plan) for r in report.rows if r.role == "compiled"}
+    for grain in grains:
+        every = str(Checkpoint(pattern_for(model, grain)))
+        assert any(p.startswith(every + ", ") for p in tried), (every, tried)
+
+
+def test_a_step_or_a_compiled_plan_that_cannot_be_made_is_a_note_and_the_call_goes_on(monkeypatch):
+    from shrinkwrap.autoplan import stages
+    from shrinkwrap.transforms.activations import Swish
+
+    def raises(*args):
+        raise KeyError(3)  # an integer key, as a model's own dict can raise
+
+    monkeypatch.setattr(Swish, "candidates", classmethod(raises))
+    monkeypatch.setattr(stages, "_every_block", raises)
+    with pytest.raises(KeyError):  # called alone, the error is the caller's to see
+        candidates(mlp(), device="cpu")
+    plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile="compile(backend='aot_eager')", **FAST)
+    assert "swish" not in str(plan) and "checkpoint" in str(plan)
+    assert "swish(): no candidates, its search on this model raised KeyError: 3" in report.notes
+    assert "every block checkpointed: left out, its making raised KeyError: 3" in report.notes
+    compiled = [r for r in report.rows if r.role == "compiled"]
+    assert compiled  # the other compiled plans were measured
+    (spent,) = [n for n in report.notes if n.endswith(f"s in the compile stage ({len(compiled)} compiled plans)")]
+    assert float(spent.split()[2]) > 0

@@ -53,13 +53,30 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     lines = zoo_lines(rows)
     m = next(line for line in lines if line.startswith("| m |"))
     cells = [c.strip() for c in m.strip("|").split("|")]
-    assert cells[1:5] == ["0.30 @ 1.20", "none", "0.40 @ 1.80", "ckpt_every_block+bf16"]
-    assert cells[5] == "not run" and cells[7] == "0.20 @ 1.50" and cells[-2:] == ["40.0 / 75.0 / -", "H200"]
+    # Each answer: its cell, what dominates it, what beats it by autoplan's rule (10% less memory
+    # within the time limit: every block at 0.2 in 15 ms against 20 ms and 30 ms; within 10% of
+    # the memory and 10% faster: the 1.0x answer beside the 1.5x one; compiled rows not read
+    # against eager answers).
+    assert cells[1:7] == ["0.30 @ 1.20", "none", "ckpt_every_block+bf16", "0.40 @ 1.80", "ckpt_every_block+bf16",
+                          "ckpt_every_block+bf16, auto_fast"]
+    assert cells[7:10] == ["not run", "-", "-"] and cells[10] == "0.20 @ 1.50"
+    assert cells[-3:] == ["40.0 / 75.0 / -", "-", "H200"]
     assert any("| broken | error: timed out after 900 s" in line for line in lines)
-    assert lines[-2] == "Dominated: 1 of 2 answers (m auto_small)."
+    assert lines[-3] == "Dominated: 1 of 2 answers (m auto_small)."
+    assert lines[-2] == "Beaten by autoplan's rule: 2 of 2 answers (m auto_fast, m auto_small)."
+    # Two answers of one plan, timed apart: the same plan, not a plan that beats it.
+    same = [dict(r, plan="p") if r["config"].startswith("auto") else r for r in rows]
+    cells = [c.strip() for c in next(x for x in zoo_lines(same) if x.startswith("| m |")).strip("|").split("|")]
+    assert cells[6] == "ckpt_every_block+bf16"
     # An eager answer that only a compiled row dominates is counted apart.
     rows[3] = row("auto_fast", 300.0, 12.0, dominated_by=["compile+bf16"], autoplan_s=40.0)
-    assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-2]
+    assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-3]
+    # compile=True: beaten by compiled rows too; its compile stage's seconds beside the cold compile.
+    rows[1]["first_ms"] = 30000.0
+    rows.insert(5, row("auto_compile", 520.0, 12.0, compile_stage_s=95.0))
+    cells = [c.strip() for c in next(x for x in zoo_lines(rows) if x.startswith("| m |")).strip("|").split("|")]
+    assert cells[7:10] == ["0.52 @ 1.20", "none", "compile+bf16, ckpt_every_block+bf16, auto_fast, auto_small"]
+    assert cells[-2] == "95.0 / 30.0"
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
     assert latest_runs(rows + again) == (rows[:-1] + again, [])

@@ -365,9 +365,10 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     stacks of layers themselves (a T5 model's encoder and decoder, two ResNet towers): the layers
     are the blocks. Groups inside a block that is not itself a plain container (inside a residual
     block or a transformer layer) are left out: their parts are too small to be worth a
-    measurement. ``nested``: the group lies inside another group's block (an EfficientNet stage
-    inside ``features``). Types are read through shrinkwrap's wrappers: a stack with some blocks
-    checkpointed is still one stack."""
+    measurement; not inside a block that holds a stack of layers (a stage of a class of its own,
+    its blocks in a Sequential). ``nested``: the group lies inside another group's block (an
+    EfficientNet stage inside ``features``). Types are read through shrinkwrap's wrappers: a
+    stack with some blocks checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     for name, c in model.named_modules():
@@ -389,7 +390,9 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
                 continue
             nested = any(lies_inside(name, b) for _, bs, _ in out for b in bs)
             out.append((name, [n for n, _ in blocks], nested))
-            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS)]
+            # A stage of a class of its own (timm's ConvNeXt and MetaFormer stages) holds its stack
+            # of layers in a container: looked inside, as a plain container is.
+            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS) and not _holds_layers(m)]
     return out
 
 
@@ -418,6 +421,32 @@ def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
     stages = [container for container, _, _ in groups]
     return [b for _, names, _ in groups for b in names
             if b != within and lies_inside(b, within) and not any(lies_inside(s, b) for s in stages)]
+
+
+def blocks_by_depth(model: nn.Module) -> list[list[str]]:
+    """The model's blocks (:func:`block_groups`) a grain at each depth of its stacks: the
+    outermost stacks' blocks first (a ConvNeXt's stages), each next list with every block that
+    holds a stack replaced by that stack's blocks, down to :func:`innermost_blocks`. A model of
+    one stack has one grain.
+
+    Example::
+
+        >>> blocks_by_depth(convnext)[0][:2]    # ['features.0', 'features.1']: the stages
+        >>> blocks_by_depth(convnext)[-1][:2]   # ['features.0', 'features.1.0']: their blocks
+    """
+    groups = block_groups(model)
+    # A stack's depth: how many blocks of other stacks hold it (a stage is a block of the stack of stages).
+    depth = {container: sum(lies_inside(container, b) for _, names, _ in groups for b in names)
+             for container, _, _ in groups}
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    out: list[list[str]] = []
+    for d in sorted(set(depth.values())):
+        stages = [c for c, _, _ in groups if depth[c] <= d]
+        grain = sorted((b for c, names, _ in groups if depth[c] <= d for b in names
+                        if not any(lies_inside(s, b) for s in stages)), key=lambda b: order.get(b, len(order)))
+        if grain and grain not in out:
+            out.append(grain)
+    return out
 
 
 def lies_inside(name: str, region: str) -> bool:

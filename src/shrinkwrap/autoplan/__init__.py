@@ -269,7 +269,9 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
               allow_lossy: bool, maximize: str, rounds: int, tolerance: float, isolate_candidates: bool,
               progress: Progress | None, compile_step: Plan | None) -> tuple[Plan, Report]:
     make, batch, options, cuda = rows.make, rows.batch, rows.options, rows.cuda
-    cands = candidates(probe, allow_lossy=allow_lossy, device=dev, budget=budget is not None, optimizer=options.optimizer)
+    skipped: list[str] = []
+    cands = candidates(probe, allow_lossy=allow_lossy, device=dev, budget=budget is not None, optimizer=options.optimizer,
+                       skipped=skipped)
     stage = Stage(progress, "baseline", 1)
     # Candidates are compared with a baseline measured the same way (in this process unless asked
     # otherwise); the budget and the chosen plans with a baseline measured as the chosen plans are,
@@ -302,7 +304,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
     # A copy of the report without its rows reads rows: it travels to the processes ahead light.
     search = _Search(rows, probe, dataclasses.replace(report, rows=[], notes=[]).value, base_mem, base_t, target,
                      None if max_slowdown is None else max_slowdown * base_t, isolate_candidates, maximize == "batch",
-                     max_slowdown, tolerance, progress=progress)
+                     max_slowdown, tolerance, progress=progress, skipped=skipped)
 
     started = time.perf_counter()
     in_base, whole_rows, baseline = search.base([c for c in cands if not c.covers])
@@ -322,8 +324,11 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
     measured = time.perf_counter()
     tried = search.verify(list(chosen), in_base, in_base + priced, rounds, (start_mem, start_t))
     chosen = search.sets.get(str(search.final(tried).plan), chosen)  # what the verified answer is made of
+    compiling = None
     if compile_step is not None:
+        compiling = time.perf_counter()
         tried += search.compiled(tried, effects, start_mem, start_t, compile_step)
+        compiling = time.perf_counter() - compiling
     # Rows measured but not verified, this call's and the plans an earlier call with the same cache
     # verified, where one would beat the answer: measured as a chosen plan is (see undominated).
     earlier = _answerable(rows.cache, cands, compile_step, allow_lossy)
@@ -392,6 +397,7 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
                          f"{low:.3f}-{high:.3f}x): {'within' if search.fits_time(row) else 'over'} the limit "
                          f"of {max_slowdown}x{undecided}")
     notes += _effect_notes(effects, chosen, in_base, base_steps, priced)
+    notes += search.skipped
     notes += [f"left unmeasured: {c}: its forward takes {cost:.1f} ms, more than the {max(room, 0.0):.1f} ms the "
               f"step-time limit leaves on top of {Plan(base_steps) or 'the model as it is'}"
               for c, cost, room in search.unmeasured]
@@ -401,6 +407,9 @@ def _autoplan(rows: Rows, probe: nn.Module, dev: torch.device, budget: Budget, m
                  f"{verified - measured:.1f} s verifying {len(tried)} plan(s) (in this process, and one that "
                  "fits there again in a fresh process on CUDA, compiled ones where they compiled; each timed in "
                  "turns with the baseline)")
+    if compiling is not None:
+        notes.append(f"of which {compiling:.1f} s in the compile stage ({sum(r.role == 'compiled' for r in tried)} "
+                     "compiled plans)")
     if search.ahead:
         notes.append(_ahead_note(search.ahead))
     report.rows = _last_of_each(report.rows + tried)

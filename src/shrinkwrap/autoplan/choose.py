@@ -56,11 +56,22 @@ class Effect:
 
 
 def candidates(model: nn.Module, *, allow_lossy: bool = False, device: str | torch.device | None = None,
-               max_groups: int = 4, budget: bool = False, optimizer: Any = None) -> list[Candidate]:
+               max_groups: int = 4, budget: bool = False, optimizer: Any = None,
+               skipped: list[str] | None = None) -> list[Candidate]:
     """What autoplan may try on ``model``: every registered step's candidates, in plan order
-    (``budget``: a memory budget was given; ``optimizer``: the caller's optimizer factory)."""
+    (``budget``: a memory budget was given; ``optimizer``: the caller's optimizer factory). A step
+    whose search raises on this model offers none, and says why in ``skipped`` (where given; else
+    the error is raised): a model no step was written for costs that step, not the call."""
     context = Context(allow_lossy, resolve_device(device), max_groups, budget, optimizer)
-    return [c for cls in registered() for c in cls.candidates(model, context)]
+    out = []
+    for cls in registered():
+        try:
+            out += cls.candidates(model, context)
+        except Exception as exc:  # noqa: BLE001 - a step's own failure on an unseen model is a note
+            if skipped is None:
+                raise
+            skipped.append(f"{cls.name}(): no candidates, its search on this model raised {type(exc).__name__}: {exc}")
+    return out
 
 
 def _plan(chosen: list[Candidate], model: nn.Module) -> Plan:

@@ -18,7 +18,7 @@ from ..measuring.profile import Options
 from ..plan import Plan
 from ..processes.copies import build_model
 from ..report import Row
-from ..select import lies_inside, innermost_blocks, pattern_for
+from ..select import blocks_by_depth, lies_inside, pattern_for
 from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
@@ -60,18 +60,22 @@ def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     return Plan(_fast_stem(kept, model) + [budgeted])
 
 
-def _every_block(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
+def _every_block(plan: Plan, step: Plan, model: nn.Module) -> list[Plan]:
     """``plan`` with its regions replaced by every block of the model's stacks, each a region of
-    its own, and ``step`` last: the one-line recipe (torch's ``checkpoint_wrapper`` on every block,
-    compiled) as a plan, so that the compile stage measures it beside its own answer: on a
-    transformer it can beat an eager answer on both memory and time (benchmarks/RESULTS.md,
-    "autoplan on models it was not tuned on"). ``None`` where the model has no stack of blocks."""
-    blocks = innermost_blocks(model)
-    every = Checkpoint(pattern_for(model, blocks)) if blocks else None
-    if every is None or not every.applies(model):
-        return None
+    its own, and ``step`` last, a plan for each depth of the stacks (:func:`blocks_by_depth`: a
+    ConvNeXt's stages, then their blocks): the one-line recipe (torch's ``checkpoint_wrapper`` on
+    every block, compiled) as plans, so that the compile stage measures them beside its own answer
+    and a stage is never the only grain on offer: on a transformer the recipe can beat an eager
+    answer on both memory and time, on a ConvNeXt a compiled answer of whole stages
+    (benchmarks/RESULTS.md, "autoplan on models it was not tuned on"). Empty where the model has
+    no stack of blocks."""
     kept = [s for s in plan.steps if not isinstance(s, Checkpoint)]
-    return Plan(sorted([every, *kept], key=lambda s: s.order)) + step
+    out = []
+    for blocks in blocks_by_depth(model):
+        every = Checkpoint(pattern_for(model, blocks))
+        if every.applies(model):
+            out.append(Plan(sorted([every, *kept], key=lambda s: s.order)) + step)
+    return out
 
 
 def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:

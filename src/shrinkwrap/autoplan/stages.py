@@ -73,6 +73,7 @@ class _Search:
     unmeasured: list = dataclasses.field(default_factory=list)
     progress: Progress | None = None  # told as each stage's rows end (measuring.progress.Stage)
     stage: Stage | None = None  # the stage measuring now: told of each round of a timing in turns
+    skipped: list = dataclasses.field(default_factory=list)  # what could not be made, for the notes (made)
 
     def fits_time(self, row: Row) -> bool:
         """Within the step-time limit: for a chosen plan, timed in turns with the baseline in one
@@ -331,8 +332,10 @@ class _Search:
             chosen += nxt
         if tried and not self.least_memory and self.fits(tried[-1]):
             tried += self._pruned(chosen, in_base, tried[-1], rounds, stage)
-        finer = _finer(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen, self.model)
-        plan = _plan([e.candidate for e in finer], self.model) if finer else None
+        answer = self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen
+        finer = self.made("the answer with its regions refined to blocks", lambda: _finer(answer, self.model))
+        plan = self.made("the answer with its regions refined to blocks",
+                         lambda: _plan([e.candidate for e in finer], self.model)) if finer else None
         if plan is not None and plan not in {t.plan for t in tried}:
             self.sets.setdefault(str(plan), finer)
             row = self.measure_chosen(plan, isolate=False)
@@ -474,16 +477,21 @@ class _Search:
         limits is then not timed in turns (:meth:`outdone`). A plan that fails to compile is a
         row with its error."""
         final = self.final(tried).plan
-        smallest = _plan([e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model)
+        smallest = self.made("the smallest set of candidates", lambda: _plan(
+            [e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model))
+        finer = self.made("the answer with its regions refined to blocks", lambda: _finer(self.sets[str(final)], self.model)
+                          if str(final) in self.sets else None)
+        refined = None if not finer else _plan([e.candidate for e in finer], self.model)
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
         # most, and each plan here is a compilation (minutes on a large model).
-        budgeted = [_budgeted(final, step, self.model)]
-        kept = _budgeted(smallest, step, self.model)
+        budgeted = [self.made("the answer's form under the partitioner's budget", lambda: _budgeted(final, step, self.model))]
+        kept = None if smallest is None else self.made("the smallest set's form under the partitioner's budget",
+                                                       lambda: _budgeted(smallest, step, self.model))
         if kept is not None and any(s.recomputes for s in kept.steps):
             budgeted.append(kept)
-        every = _every_block(final, step, self.model)  # the one-line recipe, compiled
-        plans = [p + step for p in (final, smallest)] + [p for p in [*budgeted, every] if p is not None]
+        every = self.made("every block checkpointed", lambda: _every_block(final, step, self.model)) or []
+        plans = [p + step for p in (final, smallest, refined) if p is not None] + [p for p in [*budgeted, *every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         there = self.compile_ahead(plans, step.steps[0], self.progress, tried)
         before = aot_autograd_cache_counts() if self.ahead else None
@@ -506,6 +514,15 @@ class _Search:
             self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(aot_autograd_cache_counts(), before))
         self.stage = None
         return rows
+
+    def made(self, what: str, make: Callable[[], Any]) -> Any:
+        """What ``make`` returns, or None where it raises, said in :attr:`skipped`: a plan autoplan
+        could not make on this model is left out, and the call goes on with the others."""
+        try:
+            return make()
+        except Exception as exc:  # noqa: BLE001 - any failure inside a candidate is a note, never the call's end
+            self.skipped.append(f"{what}: left out, its making raised {type(exc).__name__}: {exc}")
+            return None
 
     def compile_ahead(self, plans: list[Plan], step: Step, progress: Progress | None,
                       beside: list[Row] = ()) -> dict[Plan, tuple]:
