@@ -12,7 +12,8 @@ activations, row by row, on one GPU.
 ``--model`` takes rows, times and curves to another decoder: ``smollm17b`` (SmolLM2-1.7B's shape)
 and ``gemma2b`` (Gemma 3 at Gemma-2-2B's size: a 262,208 vocabulary), whose rows add ``plain`` (what users do:
 Hugging Face's gradient checkpointing, bf16 autocast, fused AdamW), the delayed update
-(``state_cpu_delayed``, lossy) and bf16 weights rounded stochastically (``bf16_state_cpu_sr``).
+(``state_cpu_delayed``, lossy; ``state_cpu_delayed_warm`` after 20 exact steps) and bf16 weights
+rounded stochastically (``bf16_state_cpu_sr``).
 
 ``--chunk-size N`` runs every plan with ``chunked_loss(chunk_size=N)``: the head's chunk of rows x
 vocabulary, not the layers, sets the forward's peak at a 152k vocabulary.
@@ -68,6 +69,9 @@ PLANS = {
     "state8": f"{ACT}, step_in_backward(shrinkwrap.LowBitAdamW, options={LR})",
     # the CPU's step of iteration i during iteration i+1 (lossy), and bf16 weights rounded stochastically
     "state_cpu_delayed": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu', delayed=True)",
+    # the same after 20 exact steps (ZeRO-Offload's warm-up): a tenth of a 200-step curve
+    "state_cpu_delayed_warm": f"{ACT}, step_in_backward(torch.optim.AdamW, options={LR}, state='cpu', delayed=True, "
+                              "delay_after=20)",
     "bf16_state_cpu_sr": f"half(torch.bfloat16), {ACT}, step_in_backward(torch.optim.AdamW, options={LR}, "
                          "state='cpu', rounding='stochastic')",
     # what users do without us: Hugging Face's gradient checkpointing, bf16 autocast, fused AdamW

@@ -43,10 +43,11 @@ def _loss(model: nn.Module, i: int) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def delayed_loop(model: nn.Module, steps: int, sched_every: int = 0) -> list[float]:
+def delayed_loop(model: nn.Module, steps: int, sched_every: int = 0, exact_first: int = 0) -> list[float]:
     """ZeRO-Offload's delayed update written out: each gradient is applied one iteration late, with
     the learning rate of its own iteration, so that iteration i's gradient is taken at the weights
-    before iteration i-1's update."""
+    before iteration i-1's update; the first ``exact_first`` iterations' gradients at once (the
+    warm-up)."""
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIONS)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if sched_every else None
     pending, losses = None, []
@@ -65,12 +66,16 @@ def delayed_loop(model: nn.Module, steps: int, sched_every: int = 0) -> list[flo
         loss.backward()
         losses.append(loss.item())
         grads = [p.grad.clone() for p in model.parameters()]
-        if pending is not None:
-            apply(*pending)
-        pending = grads, opt.param_groups[0]["lr"]
+        if i < exact_first:
+            apply(grads, opt.param_groups[0]["lr"])
+        else:
+            if pending is not None:
+                apply(*pending)
+            pending = grads, opt.param_groups[0]["lr"]
         if sched is not None:
             sched.step()
-    apply(*pending)  # the last gradient, as wait() writes it
+    if pending is not None:
+        apply(*pending)  # the last gradient, as wait() writes it
     return losses
 
 
@@ -110,6 +115,37 @@ def test_the_delayed_update_differs_from_the_exact_one_and_is_marked_lossy():
     assert handle_loop(exact, 4)[2:] != handle_loop(delayed, 4)[2:]
     assert sw.step_in_backward(torch.optim.AdamW, state="cpu", delayed=True).lossy
     assert not sw.step_in_backward(torch.optim.AdamW, state="cpu").lossy
+
+
+@pytest.mark.parametrize("make", [lambda: Net().double(), _gpt2], ids=["net", "gpt2"])
+def test_the_delayed_update_after_its_warm_up_is_the_hand_written_loop_bit_for_bit(make):
+    torch.manual_seed(0)
+    ref = make()
+    exact_ref, exact = copy.deepcopy(ref), sw.apply(copy.deepcopy(ref), DELAYED.replace(", delayed=True", ""))
+    model = sw.apply(copy.deepcopy(ref), DELAYED.replace("delayed=True", "delayed=True, delay_after=3"))
+    want = delayed_loop(ref, 6, exact_first=3)
+    assert handle_loop(model, 6) == want
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    # The warm-up is the exact path's, and the iterations after it are not.
+    exact_losses = handle_loop(exact, 6)
+    assert exact_losses[:4] == want[:4] and exact_losses[4:] != want[4:]
+    assert delayed_loop(exact_ref, 6, exact_first=6) == exact_losses
+
+
+def test_a_resumed_handle_goes_on_with_the_warm_up_from_the_steps_its_state_counts():
+    torch.manual_seed(0)
+    text = DELAYED.replace("delayed=True", "delayed=True, delay_after=3")
+    model = sw.apply(Net().double(), text)
+    handle_loop(model, 2)
+    saved = sw.optimizer(model).state_dict()
+    resumed = sw.apply(copy.deepcopy(Net().double()), text)
+    opt = sw.optimizer(resumed)
+    assert not opt.delayed  # before a step: the warm-up's first
+    opt.load_state_dict(saved)
+    assert opt.steps_taken == 2 and not opt.delayed
+    handle_loop(resumed, 1)
+    assert opt.delayed and copy.deepcopy(opt).delayed  # a copy goes on from the count too
 
 
 def test_a_scheduler_steps_the_delayed_update_as_the_hand_written_loop():
@@ -182,6 +218,18 @@ def test_a_delayed_backward_no_step_followed_is_refused_as_the_exact_step_refuse
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match="no step\\(\\) followed"):
         _loss(model, 1).backward()
+
+
+def test_delay_after_is_a_count_of_steps_and_the_delayed_updates_warm_up():
+    with pytest.raises(ValueError, match="delay_after is a count of steps, 0 or more"):
+        sw.step_in_backward(torch.optim.AdamW, state="cpu", delayed=True, delay_after=-1)
+    for bad in (1.5, True, "3"):
+        with pytest.raises(TypeError, match="takes delay_after= an int"):
+            sw.step_in_backward(torch.optim.AdamW, state="cpu", delayed=True, delay_after=bad)
+    with pytest.raises(ValueError, match="warm-up; add delayed=True"):
+        sw.step_in_backward(torch.optim.AdamW, state="cpu", delay_after=3)
+    step = sw.step_in_backward(torch.optim.AdamW, state="cpu", delayed=True, delay_after=50)
+    assert str(step).endswith("delayed=True, delay_after=50)") and sw.Plan.parse(str(step)).steps[0] == step
 
 
 def test_delayed_and_rounding_need_the_state_on_the_cpu_and_their_values():

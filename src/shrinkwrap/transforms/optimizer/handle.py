@@ -36,7 +36,7 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
     optimizer ``cls(model.parameters(), **options)``, whatever steps each parameter."""
 
     def __init__(self, cls: type, options: dict, on_cpu: bool, spec: tuple = (), delayed: bool = False,
-                 rounding: str = "nearest") -> None:
+                 rounding: str = "nearest", delay_after: int = 0) -> None:
         # Not Optimizer.__init__, which wants the parameters: the model's come at bind().
         template = cls([torch.zeros(1, requires_grad=True)], **options)
         self.defaults = dict(template.defaults)
@@ -47,7 +47,8 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
             setattr(self, name, OrderedDict())
         self._patch_step_function()  # step() runs the step hooks
         self.cls, self.spec, self.on_cpu = cls, spec, on_cpu
-        self.delayed, self.rounding = delayed, rounding
+        self.delay, self.delay_after, self.rounding = delayed, delay_after, rounding
+        self.steps_taken = 0  # step() calls that stepped: the delayed update starts after delay_after of them
         # The stochastic rounding's offsets: a generator of the handle's own, so that the user's
         # random stream is not drawn from (on the worker thread, at times of its own).
         self.rounding_generator = (torch.Generator().manual_seed(torch.initial_seed() % 2**63)
@@ -104,13 +105,15 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
         groups from fresh state: the state is saved through ``state_dict()``, as a plain optimizer's."""
         self.wait()
         return {"cls": self.cls, "options": self.spec_options, "on_cpu": self.on_cpu, "spec": self.spec,
-                "delayed": self.delayed, "rounding": self.rounding,
+                "delayed": self.delay, "rounding": self.rounding, "delay_after": self.delay_after,
+                "steps_taken": self.steps_taken,
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "group_of": dict(self.group_of)}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["cls"], state["options"], state["on_cpu"], state["spec"], state.get("delayed", False),
-                      state.get("rounding", "nearest"))
+                      state.get("rounding", "nearest"), state.get("delay_after", 0))
+        self.steps_taken = state.get("steps_taken", 0)
         self.param_groups = [{"params": [], **g} for g in state["groups"]]
         self.group_of = dict(state["group_of"])
 
@@ -151,7 +154,14 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
             self.wait()
         self.unconfirmed = []
         self._raise_skipped()
+        self.steps_taken += 1
         return loss
+
+    @property
+    def delayed(self) -> bool:
+        """Whether this iteration's update is delayed: with ``delayed=True``, once ``delay_after``
+        steps were taken exact (the warm-up)."""
+        return self.delay and self.steps_taken >= self.delay_after
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the stand-ins backward left in ``.grad`` (``set_to_none=False``: zero gradients'
@@ -255,6 +265,10 @@ class InBackward(LoopChecks, Binding, BackwardSteps, CpuSteps, torch.optim.Optim
                 else:
                     self.pending.pop(n, None)
         self.together.clear()  # their state dicts are new ones
+        # A resumed run's warm-up goes on from the steps its optimizer took, where its state counts them.
+        taken = [int(own["step"]) for own in state_dict["state"].values() if isinstance(own, dict) and "step" in own]
+        if taken:
+            self.steps_taken = max(taken)
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
 

@@ -77,6 +77,10 @@ class StepInBackward(Step):
         rounding: with ``state="cpu"`` and bf16 weights, how the float32 master copy becomes the
             weight: ``"nearest"`` or ``"stochastic"`` (unbiased: updates below bf16's spacing
             still reach the forward on average).
+        delay_after: with ``delayed=True``, how many steps are taken exact before the update is
+            delayed (ZeRO-Offload's warm-up; 0, the default: from the first). Counted by the
+            handle's ``step()``; a state_dict loaded into the handle sets the count from its
+            ``step`` entries, where the optimizer keeps them.
 
     Example::
 
@@ -97,6 +101,7 @@ class StepInBackward(Step):
     state: str = "device"
     delayed: bool = False
     rounding: str = "nearest"
+    delay_after: int = 0
 
     def __post_init__(self) -> None:
         options = self.options
@@ -115,6 +120,12 @@ class StepInBackward(Step):
             raise ValueError(f"shrinkwrap: step_in_backward(state={self.state!r}): state is 'device' or 'cpu'")
         if not isinstance(self.delayed, bool):
             raise TypeError(f"shrinkwrap: step_in_backward(delayed={self.delayed!r}): delayed is True or False")
+        if self.delay_after < 0:  # its type is checked with the other fields'
+            raise ValueError(f"shrinkwrap: step_in_backward(delay_after={self.delay_after!r}): delay_after is a count "
+                             "of steps, 0 or more")
+        if self.delay_after and not self.delayed:
+            raise ValueError(f"shrinkwrap: step_in_backward(delay_after={self.delay_after}) is the delayed update's "
+                             "warm-up; add delayed=True")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"shrinkwrap: step_in_backward(rounding={self.rounding!r}): rounding is 'nearest' or "
                              "'stochastic'")
@@ -139,6 +150,8 @@ class StepInBackward(Step):
             parts.append("delayed=True")
         if self.rounding != "nearest":
             parts.append(f"rounding={self.rounding!r}")
+        if self.delay_after:
+            parts.append(f"delay_after={self.delay_after}")
         return f"{self.name}({', '.join(parts)})"
 
     @classmethod
@@ -182,13 +195,13 @@ class StepInBackward(Step):
 
     @property
     def _spec(self) -> tuple:
-        return (str(self), self.optimizer, self.options, self.state, self.delayed, self.rounding)
+        return (str(self), self.optimizer, self.options, self.state, self.delayed, self.rounding, self.delay_after)
 
     def rewrite(self, model: nn.Module, targets: Targets) -> list:
         if not targets.matched:
             return []
         handle = InBackward(self.optimizer, dict(self.options), self.state == "cpu", self._spec, self.delayed,
-                            self.rounding)
+                            self.rounding, self.delay_after)
         handle.model = weakref.ref(model)
         handle.bind(model)
         model.__dict__[HANDLE] = handle
@@ -220,12 +233,13 @@ def optimizer(model: nn.Module) -> InBackward:
 
 
 def apply_step_in_backward(model: nn.Module, optimizer: type = torch.optim.AdamW, options: Any = (),
-                           state: str = "device", delayed: bool = False, rounding: str = "nearest") -> nn.Module:
+                           state: str = "device", delayed: bool = False, rounding: str = "nearest",
+                           delay_after: int = 0) -> nn.Module:
     """Step ``model``'s optimizer inside backward, in place; return ``model`` (see :class:`StepInBackward`).
 
     Example::
 
         >>> apply_step_in_backward(model, torch.optim.AdamW, {"lr": 1e-4}); opt = sw.optimizer(model)
     """
-    step = StepInBackward(optimizer, options, state, delayed, rounding)
+    step = StepInBackward(optimizer, options, state, delayed, rounding, delay_after)
     return step.apply(require_module(model, "apply_step_in_backward()"))
