@@ -73,10 +73,10 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     assert "; of the eager answers, 1 only by a compiled row (m auto_fast)." in zoo_lines(rows)[-3]
     # compile=True: beaten by compiled rows too; its compile stage's seconds beside the cold compile.
     rows[1]["first_ms"] = 30000.0
-    rows.insert(5, row("auto_compile", 520.0, 12.0, compile_stage_s=95.0))
+    rows.insert(5, row("auto_compile", 520.0, 12.0, compile_stage_s=95.0, again_s=50.0, again_stage_s=20.0))
     cells = [c.strip() for c in next(x for x in zoo_lines(rows) if x.startswith("| m |")).strip("|").split("|")]
     assert cells[7:10] == ["0.52 @ 1.20", "none", "compile+bf16, ckpt_every_block+bf16, auto_fast, auto_small"]
-    assert cells[-2] == "95.0 / 30.0"
+    assert cells[-2] == "95.0 / 30.0 (again: 50.0, its stage 20.0)"
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
     assert latest_runs(rows + again) == (rows[:-1] + again, [])
