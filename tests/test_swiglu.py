@@ -207,10 +207,13 @@ def test_names_text_revert_and_idempotence():
 
 
 def test_passes_over_what_is_not_a_silu_or_gelu_gated_mlp():
-    # gelu_new: the tanh GELU written out, close to torch's but not bit for bit.
-    for act in ("relu", "gelu_new"):
-        with pytest.raises(sw.SelectionError, match="is (ReLU|NewGELUActivation), not SiLU or GELU"):
-            sw.apply(_llama(hidden_act=act), "swiglu()")
+    with pytest.raises(sw.SelectionError, match="is ReLU, not SiLU or GELU"):
+        sw.apply(_llama(hidden_act="relu"), "swiglu()")
+    # gelu_new: the tanh GELU written out, close to torch's but not bit for bit. Where the CPU's
+    # kernels make it equal on the activation's probe (values in [-6, 6]), the MLP's probe, at rows
+    # up to 1000x, still tells them apart.
+    with pytest.raises(sw.SelectionError, match="is NewGELUActivation, not SiLU or GELU|does not compute down_proj"):
+        sw.apply(_llama(hidden_act="gelu_new"), "swiglu()")
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     refusal = r"found no SiLU- or GELU-gated MLP \(gate_proj and up_proj, or gate_up_proj\) in GPT2LMHeadModel"
     with pytest.raises(sw.SelectionError, match=refusal):
