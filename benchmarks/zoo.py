@@ -84,8 +84,11 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
                   flush=True)
             continue
         spent = [n for n in report.notes if n.startswith(("autoplan's own time", "of which"))]
+        # Why the answer, in autoplan's words: the frontier with its figures, and where compile=True
+        # answered eager, what each compiled plan missed.
+        why = [n for n in report.notes if n.startswith(("frontier", "the answer is eager"))]
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
-                        "frontier": [str(r.plan) for r in report.frontier()], "autoplan_time": spent}
+                        "frontier": [str(r.plan) for r in report.frontier()], "autoplan_time": spent, "why": why}
         stage = [m for m in map(COMPILE_STAGE.match, spent) if m]
         if stage:
             auto[config]["compile_stage_s"] = float(stage[0]["seconds"])
