@@ -374,6 +374,8 @@ def zoo_lines(rows: list[dict]) -> list[str]:
         seconds = f"{num(stage)} / {num(cold and cold / 1000)}" if stage is not None else "-"
         if "again_s" in compiled:
             seconds += f" (again: {num(compiled['again_s'])}, its stage {num(compiled.get('again_stage_s'))})"
+        elif "again_error" in compiled:
+            seconds += f" (again: {compiled['again_error'][:60]})"
         line.append(seconds)
         gpus = {r.get("gpu") for r in got.values() if r.get("gpu")}
         line.append(", ".join(sorted(g.replace("NVIDIA ", "").split()[0] for g in gpus)) or "-")

@@ -50,6 +50,7 @@ from harness import (ANCHORS, JSON_HELP, MODELS, ZOO, HandAutocast, compiled, do
                      Ended, load_rows, measure_same_run, on_gpus, save_rows, setup)
 
 AUTOPLAN = {"auto_fast": (1.0, False), "auto_small": (1.5, False), "auto_compile": (1.0, True)}
+AGAIN_TIMEOUT = 600  # seconds the second compile=True call may take
 COMPILE_STAGE = re.compile(r"of which (?P<seconds>[\d.]+) s in the compile stage")
 ANSWER = re.compile(r"(?P<model>\S+) (?P<config>auto_\w+): .* \((?P<seconds>[\d.]+) s\)")
 
@@ -95,14 +96,14 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
         print(f"{name} {config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
         for note in spent:
             print(f"  {note}", file=sys.stderr, flush=True)
-    if "plan" in auto.get("auto_compile", {}):
-        auto["auto_compile"].update(again(name))
     makers = recipes(make, blocks)
     last = makers.pop("compile_budget0.5+bf16")
     plans = {k: v["plan"] for k, v in auto.items() if "plan" in v}
     makers.update({k: functools.partial(lambda text: sw.apply(make(), text), text) for k, text in plans.items()})
     makers["compile_budget0.5+bf16"] = last
     rows = measure_same_run(name, makers, rounds, plans, batch=batch)
+    if "plan" in auto.get("auto_compile", {}):  # after the rows: a slow second call costs it alone
+        auto["auto_compile"].update(again(name))
     rows += [{"model": name, "config": k, **v} for k, v in auto.items() if "error" in v]
     for row in rows:
         row.update({k: v for k, v in auto.get(row["config"], {}).items() if k != "plan"})
@@ -117,7 +118,11 @@ def again(name: str) -> dict[str, Any]:
     results) warm: its seconds, whole and in the compile stage (``again_s``, ``again_stage_s``)."""
     import subprocess
 
-    run = subprocess.run([sys.executable, __file__, "--again", name], capture_output=True, text=True)
+    try:
+        run = subprocess.run([sys.executable, __file__, "--again", name], capture_output=True, text=True,
+                             timeout=AGAIN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"again_error": f"timed out after {AGAIN_TIMEOUT} s"}
     said = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode or not said:
         return {"again_error": (run.stderr.strip().splitlines() or ["nothing said"])[-1][:200]}

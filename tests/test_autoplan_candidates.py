@@ -97,6 +97,42 @@ def test_the_blocks_of_a_stage_of_a_class_of_its_own_are_found():
     assert ("1.0",) in covers and ("1.1.blocks.0", "1.1.blocks.1", "1.1.blocks.2") in covers
 
 
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x))
+
+
+class MoELayer(nn.Module):
+    """A transformer layer with a stack of experts beside its attention (Mixtral's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.experts = Attention(), nn.ModuleList([Layer() for _ in range(3)])
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + sum(e(x) for e in self.experts)
+
+
+def test_a_layer_with_a_stack_beside_a_layer_of_its_own_is_a_block_not_a_stage():
+    from shrinkwrap.select import blocks_by_depth
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(MoELayer(), MoELayer()), nn.Linear(8, 1))
+    assert block_groups(model) == [("1", ["1.0", "1.1"], False)]  # the experts alone would leave attn out
+    assert blocks_by_depth(model) == [["1.0", "1.1"]]
+
+
+def test_a_module_shared_under_two_names_is_one_block():
+    shared = Layer()
+    model = nn.Sequential(nn.Sequential(Layer(), shared), nn.Sequential(shared, Layer()))
+    # "1.0" is "0.1" again: named once, so the second stack holds one block, and is none.
+    assert block_groups(model) == [("", ["0", "1"], False), ("0", ["0.0", "0.1"], True)]
+
+
 def test_blocks_come_a_grain_at_each_depth_of_the_stacks():
     from shrinkwrap.select import blocks_by_depth, innermost_blocks
 

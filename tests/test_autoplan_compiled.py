@@ -312,6 +312,23 @@ def test_the_compile_stage_offers_every_block_checkpointed_at_each_depth_of_the_
     for grain in grains:
         every = str(Checkpoint(pattern_for(model, grain)))
         assert any(p.startswith(every + ", ") for p in tried), (every, tried)
+    # A grain whose plan cannot be made is left out, with a note; the others are not.
+    from shrinkwrap.autoplan import stages
+
+    made = stages._every_block
+
+    def fails_on_four(plan, step_, model_, blocks):
+        if len(blocks) == 4:
+            raise KeyError(3)
+        return made(plan, step_, model_, blocks)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stages, "_every_block", fails_on_four)
+        _, report = sw.autoplan(stages_of_stages, BATCH, max_slowdown=100.0, compile=step, **FAST)
+    tried = {str(r.plan) for r in report.rows if r.role == "compiled"}
+    assert "every block checkpointed, 4 blocks: left out, its making raised KeyError: 3" in report.notes
+    for grain in (grains[0], grains[2]):
+        assert any(p.startswith(str(Checkpoint(pattern_for(model, grain))) + ", ") for p in tried)
 
 
 def test_a_step_or_a_compiled_plan_that_cannot_be_made_is_a_note_and_the_call_goes_on(monkeypatch):
@@ -328,7 +345,7 @@ def test_a_step_or_a_compiled_plan_that_cannot_be_made_is_a_note_and_the_call_go
     plan, report = sw.autoplan(mlp, BATCH, max_slowdown=100.0, compile="compile(backend='aot_eager')", **FAST)
     assert "swish" not in str(plan) and "checkpoint" in str(plan)
     assert "swish(): no candidates, its search on this model raised KeyError: 3" in report.notes
-    assert "every block checkpointed: left out, its making raised KeyError: 3" in report.notes
+    assert "every block checkpointed, 4 blocks: left out, its making raised KeyError: 3" in report.notes
     compiled = [r for r in report.rows if r.role == "compiled"]
     assert compiled  # the other compiled plans were measured
     (spent,) = [n for n in report.notes if n.endswith(f"s in the compile stage ({len(compiled)} compiled plans)")]

@@ -77,6 +77,9 @@ def test_the_zoo_table_names_what_dominates_an_answer_and_answers_over_the_time_
     cells = [c.strip() for c in next(x for x in zoo_lines(rows) if x.startswith("| m |")).strip("|").split("|")]
     assert cells[7:10] == ["0.52 @ 1.20", "none", "compile+bf16, ckpt_every_block+bf16, auto_fast, auto_small"]
     assert cells[-2] == "95.0 / 30.0 (again: 50.0, its stage 20.0)"
+    rows[5] = row("auto_compile", 520.0, 12.0, compile_stage_s=95.0, again_error="timed out after 600 s")
+    cells = [c.strip() for c in next(x for x in zoo_lines(rows) if x.startswith("| m |")).strip("|").split("|")]
+    assert cells[-2] == "95.0 / 30.0 (again: timed out after 600 s)"
     # A model's later run replaces its earlier one whole, an error row of the earlier one too.
     again = [{"model": "broken", "config": "base_fp32", "activation_mib": 10.0, "step_ms": 1.0, "run": "later"}]
     assert latest_runs(rows + again) == (rows[:-1] + again, [])

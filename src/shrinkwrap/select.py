@@ -365,17 +365,18 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     stacks of layers themselves (a T5 model's encoder and decoder, two ResNet towers): the layers
     are the blocks. Groups inside a block that is not itself a plain container (inside a residual
     block or a transformer layer) are left out: their parts are too small to be worth a
-    measurement; not inside a block that holds a stack of layers (a stage of a class of its own,
-    its blocks in a Sequential). ``nested``: the group lies inside another group's block (an
+    measurement; not inside a stage of a class of its own (:func:`_is_stage`: its stack of layers
+    in a Sequential, and beside it nothing of a layer's size). ``nested``: the group lies inside another group's block (an
     EfficientNet stage inside ``features``). Types are read through shrinkwrap's wrappers: a
     stack with some blocks checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
-    for name, c in model.named_modules():
+    known = dict(model.named_modules())  # a module shared under a second name is known by its first only
+    for name, c in known.items():
         if any(lies_inside(name, b) for b in real_blocks):
             continue
         kids = [(f"{name}.{k}" if name else k, unwrap(m)) for k, m in c.named_children()]
-        kids = [(n, m) for n, m in kids if has_params(m) and any(True for _ in m.children())]
+        kids = [(n, m) for n, m in kids if n in known and has_params(m) and any(True for _ in m.children())]
         if isinstance(unwrap(c), CONTAINERS):
             types = [type(m) for _, m in kids]
             found = [[(n, m) for n, m in kids if types.count(type(m)) >= 2]]
@@ -392,13 +393,22 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
             out.append((name, [n for n, _ in blocks], nested))
             # A stage of a class of its own (timm's ConvNeXt and MetaFormer stages) holds its stack
             # of layers in a container: looked inside, as a plain container is.
-            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS) and not _holds_layers(m)]
+            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS) and not _is_stage(m)]
     return out
 
 
 def _layer(m: nn.Module) -> bool:
     """Whether ``m`` is more than a conv-norm pair: three or more modules with parameters of their own."""
     return sum(any(True for _ in x.parameters(recurse=False)) for x in m.modules()) >= 3
+
+
+def _is_stage(block: nn.Module) -> bool:
+    """Whether ``block`` is a stage: it holds a stack of layers, and beside the stack nothing of a
+    layer's size (a downsample, a norm). A transformer layer with a stack of experts beside its
+    attention is not one: its experts alone would leave the attention out of a grain of blocks."""
+    stacks = [n for _, names, _ in block_groups(block) for n in names if _layer(block.get_submodule(n))]
+    return bool(stacks) and not any(_layer(m) for n, m in block.named_modules() if n and not any(
+        lies_inside(n, s) or lies_inside(s, n) for s in stacks))
 
 
 def _holds_layers(block: nn.Module) -> bool:
@@ -431,8 +441,8 @@ def blocks_by_depth(model: nn.Module) -> list[list[str]]:
 
     Example::
 
-        >>> blocks_by_depth(convnext)[0][:2]    # ['features.0', 'features.1']: the stages
-        >>> blocks_by_depth(convnext)[-1][:2]   # ['features.0', 'features.1.0']: their blocks
+        >>> blocks_by_depth(convnext)[0][:2]    # ['features.1', 'features.2']: a stage, a downsample
+        >>> blocks_by_depth(convnext)[-1][:2]   # ['features.1.0', 'features.1.1']: the stage's blocks
     """
     groups = block_groups(model)
     # A stack's depth: how many blocks of other stacks hold it (a stage is a block of the stack of stages).

@@ -18,7 +18,7 @@ from ..measuring.profile import Options
 from ..plan import Plan
 from ..processes.copies import build_model
 from ..report import Row
-from ..select import blocks_by_depth, lies_inside, pattern_for
+from ..select import lies_inside, pattern_for
 from ..step import Step
 from ..transforms.checkpoint import Checkpoint
 from ..transforms.compile import PARTITIONING
@@ -60,22 +60,19 @@ def _budgeted(plan: Plan, step: Plan, model: nn.Module) -> Plan | None:
     return Plan(_fast_stem(kept, model) + [budgeted])
 
 
-def _every_block(plan: Plan, step: Plan, model: nn.Module) -> list[Plan]:
-    """``plan`` with its regions replaced by every block of the model's stacks, each a region of
-    its own, and ``step`` last, a plan for each depth of the stacks (:func:`blocks_by_depth`: a
-    ConvNeXt's stages, then their blocks): the one-line recipe (torch's ``checkpoint_wrapper`` on
-    every block, compiled) as plans, so that the compile stage measures them beside its own answer
-    and a stage is never the only grain on offer: on a transformer the recipe can beat an eager
-    answer on both memory and time, on a ConvNeXt a compiled answer of whole stages
-    (benchmarks/RESULTS.md, "autoplan on models it was not tuned on"). Empty where the model has
-    no stack of blocks."""
+def _every_block(plan: Plan, step: Plan, model: nn.Module, blocks: list[str]) -> Plan | None:
+    """``plan`` with its regions replaced by ``blocks``, each a region of its own, and ``step``
+    last: the one-line recipe (torch's ``checkpoint_wrapper`` on every block, compiled) as a plan,
+    made for each grain of :func:`~shrinkwrap.select.blocks_by_depth` (a ConvNeXt's stages, then
+    their blocks), so that the compile stage measures them beside its own answer and a stage is
+    never the only grain on offer: on a transformer the recipe can beat an eager answer on both
+    memory and time, on a ConvNeXt a compiled answer of whole stages (benchmarks/RESULTS.md,
+    "autoplan on models it was not tuned on"). None where the regions do not apply."""
+    every = Checkpoint(pattern_for(model, blocks))
+    if not every.applies(model):
+        return None
     kept = [s for s in plan.steps if not isinstance(s, Checkpoint)]
-    out = []
-    for blocks in blocks_by_depth(model):
-        every = Checkpoint(pattern_for(model, blocks))
-        if every.applies(model):
-            out.append(Plan(sorted([every, *kept], key=lambda s: s.order)) + step)
-    return out
+    return Plan(sorted([every, *kept], key=lambda s: s.order)) + step
 
 
 def _fast_stem(steps: list[Step], model: nn.Module) -> list[Step]:

@@ -16,7 +16,7 @@ from ..measuring.progress import Stage
 from ..measuring.ratios import ratio_interval, timed_against, within_slowdown
 from ..plan import Plan
 from ..report import Row
-from ..select import innermost_blocks
+from ..select import blocks_by_depth, innermost_blocks
 from ..step import Candidate, Step
 from ..transforms.checkpoint import Checkpoint
 from .choose import (BEATEN, SAME_MEMORY, Effect, _plan, _effects, _search, _raised, _covered, _outdone,
@@ -481,7 +481,8 @@ class _Search:
             [e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model))
         finer = self.made("the answer with its regions refined to blocks", lambda: _finer(self.sets[str(final)], self.model)
                           if str(final) in self.sets else None)
-        refined = None if not finer else _plan([e.candidate for e in finer], self.model)
+        refined = None if not finer else self.made("the answer with its regions refined to blocks",
+                                                   lambda: _plan([e.candidate for e in finer], self.model))
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
         # most, and each plan here is a compilation (minutes on a large model).
@@ -490,7 +491,9 @@ class _Search:
                                                        lambda: _budgeted(smallest, step, self.model))
         if kept is not None and any(s.recomputes for s in kept.steps):
             budgeted.append(kept)
-        every = self.made("every block checkpointed", lambda: _every_block(final, step, self.model)) or []
+        grains = self.made("the stacks' blocks", lambda: blocks_by_depth(self.model)) or []
+        every = [self.made(f"every block checkpointed, {len(blocks)} blocks",
+                           lambda: _every_block(final, step, self.model, blocks)) for blocks in grains]
         plans = [p + step for p in (final, smallest, refined) if p is not None] + [p for p in [*budgeted, *every] if p is not None]
         plans = list(dict.fromkeys(plans))  # the same plan once
         there = self.compile_ahead(plans, step.steps[0], self.progress, tried)
