@@ -326,8 +326,7 @@ def beaten_by(config: str, got: dict[str, dict]) -> list[str]:
             continue
         faster = r["activation_mib"] <= (1 + BEATEN) * a["activation_mib"] and r["step_ms"] <= (1 - BEATEN) * a["step_ms"]
         smaller = r["activation_mib"] <= (1 - BEATEN) * a["activation_mib"] and limit is not None and r["step_ms"] <= limit
-        if faster or smaller:
-            out.append(name)
+        out += [name] if faster or smaller else []
     return out
 
 
