@@ -90,9 +90,8 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
         why = [n for n in report.notes if n.startswith(("frontier", "the answer is eager"))]
         auto[config] = {"plan": str(plan), "autoplan_s": round(time.perf_counter() - started, 1),
                         "frontier": [str(r.plan) for r in report.frontier()], "autoplan_time": spent, "why": why}
-        stage = [m for m in map(COMPILE_STAGE.match, spent) if m]
-        if stage:
-            auto[config]["compile_stage_s"] = float(stage[0]["seconds"])
+        if stage_seconds(spent) is not None:
+            auto[config]["compile_stage_s"] = stage_seconds(spent)
         print(f"{name} {config}: {plan} ({auto[config]['autoplan_s']} s)", file=sys.stderr, flush=True)
         for note in spent:
             print(f"  {note}", file=sys.stderr, flush=True)
@@ -134,9 +133,15 @@ def second_call(name: str) -> None:
     make, batch, _ = setup(name)
     started = time.perf_counter()
     _, report = sw.autoplan(make, batch, max_slowdown=1.0, allow_lossy=True, device="cuda", compile=True)
-    stage = [m for m in map(COMPILE_STAGE.match, report.notes) if m]
+    stage = stage_seconds(report.notes)
     print(json.dumps({"again_s": round(time.perf_counter() - started, 1),
-                      **({"again_stage_s": float(stage[0]["seconds"])} if stage else {})}), flush=True)
+                      **({"again_stage_s": stage} if stage is not None else {})}), flush=True)
+
+
+def stage_seconds(notes: list[str]) -> float | None:
+    """The compile stage's seconds, as autoplan's notes give them (None: no compile stage)."""
+    found = [m for m in map(COMPILE_STAGE.match, notes) if m]
+    return float(found[0]["seconds"]) if found else None
 
 
 def run_all(models: list[str], gpus: list[str], timeout: float, rounds: int, with_compile: bool,

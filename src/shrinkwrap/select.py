@@ -365,10 +365,10 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     stacks of layers themselves (a T5 model's encoder and decoder, two ResNet towers): the layers
     are the blocks. Groups inside a block that is not itself a plain container (inside a residual
     block or a transformer layer) are left out: their parts are too small to be worth a
-    measurement; not inside a stage of a class of its own (:func:`_is_stage`: its stack of layers
-    in a Sequential, and beside it nothing of a layer's size). ``nested``: the group lies inside another group's block (an
-    EfficientNet stage inside ``features``). Types are read through shrinkwrap's wrappers: a
-    stack with some blocks checkpointed is still one stack."""
+    measurement; not inside a stage of a class of its own (:func:`_is_stage`: its stack of
+    layers in a Sequential, and beside it nothing of a layer's size). ``nested``: the group lies
+    inside another group's block (an EfficientNet stage inside ``features``). Types are read
+    through shrinkwrap's wrappers: a stack with some blocks checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
     real_blocks: list[str] = []
     known = dict(model.named_modules())  # a module shared under a second name is known by its first only
@@ -402,11 +402,16 @@ def _layer(m: nn.Module) -> bool:
     return sum(any(True for _ in x.parameters(recurse=False)) for x in m.modules()) >= 3
 
 
+def _stacked_layers(block: nn.Module) -> list[str]:
+    """The blocks of ``block``'s own stacks (:func:`block_groups`) that are layers."""
+    return [n for _, names, _ in block_groups(block) for n in names if _layer(block.get_submodule(n))]
+
+
 def _is_stage(block: nn.Module) -> bool:
     """Whether ``block`` is a stage: it holds a stack of layers, and beside the stack nothing of a
     layer's size (a downsample, a norm). A transformer layer with a stack of experts beside its
     attention is not one: its experts alone would leave the attention out of a grain of blocks."""
-    stacks = [n for _, names, _ in block_groups(block) for n in names if _layer(block.get_submodule(n))]
+    stacks = _stacked_layers(block)
     return bool(stacks) and not any(_layer(m) for n, m in block.named_modules() if n and not any(
         lies_inside(n, s) or lies_inside(s, n) for s in stacks))
 
@@ -415,7 +420,7 @@ def _holds_layers(block: nn.Module) -> bool:
     """Whether ``block`` holds a stack of layers of its own (a ResNet's stage, a transformer's
     layers, a GoogLeNet's Inception modules), not only of small parts (an Inception branch's
     conv-bn pairs)."""
-    return any(any(_layer(block.get_submodule(n)) for n in names) for _, names, _ in block_groups(block))
+    return bool(_stacked_layers(block))
 
 
 def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
@@ -427,17 +432,15 @@ def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
 
         >>> innermost_blocks(convnext, "features.1")   # ['features.1.0', 'features.1.1', 'features.1.2']
     """
-    groups = block_groups(model)
-    stages = [container for container, _, _ in groups]
-    return [b for _, names, _ in groups for b in names
-            if b != within and lies_inside(b, within) and not any(lies_inside(s, b) for s in stages)]
+    grains = blocks_by_depth(model)
+    return [b for b in (grains[-1] if grains else []) if b != within and lies_inside(b, within)]
 
 
 def blocks_by_depth(model: nn.Module) -> list[list[str]]:
     """The model's blocks (:func:`block_groups`) a grain at each depth of its stacks: the
     outermost stacks' blocks first (a ConvNeXt's stages), each next list with every block that
-    holds a stack replaced by that stack's blocks, down to :func:`innermost_blocks`. A model of
-    one stack has one grain.
+    holds a stack replaced by that stack's blocks, down to the blocks that hold none
+    (:func:`innermost_blocks`). A model of one stack has one grain.
 
     Example::
 

@@ -332,10 +332,7 @@ class _Search:
             chosen += nxt
         if tried and not self.least_memory and self.fits(tried[-1]):
             tried += self._pruned(chosen, in_base, tried[-1], rounds, stage)
-        answer = self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen
-        finer = self.made("the answer with its regions refined to blocks", lambda: _finer(answer, self.model))
-        plan = self.made("the answer with its regions refined to blocks",
-                         lambda: _plan([e.candidate for e in finer], self.model)) if finer else None
+        finer, plan = self.refined(self.sets.get(str(self.final(tried).plan), chosen) if tried else chosen)
         if plan is not None and plan not in {t.plan for t in tried}:
             self.sets.setdefault(str(plan), finer)
             row = self.measure_chosen(plan, isolate=False)
@@ -479,10 +476,7 @@ class _Search:
         final = self.final(tried).plan
         smallest = self.made("the smallest set of candidates", lambda: _plan(
             [e.candidate for e in _search(effects, mem, t, None, None, self.speedups)], self.model))
-        finer = self.made("the answer with its regions refined to blocks", lambda: _finer(self.sets[str(final)], self.model)
-                          if str(final) in self.sets else None)
-        refined = None if not finer else self.made("the answer with its regions refined to blocks",
-                                                   lambda: _plan([e.candidate for e in finer], self.model))
+        refined = self.refined(self.sets[str(final)])[1] if str(final) in self.sets else None
         # The smallest set's budgeted form only where it keeps a region (a ResNet stem's
         # convolution): otherwise it differs from the verified plan's by whole-model steps at
         # most, and each plan here is a compilation (minutes on a large model).
@@ -517,6 +511,15 @@ class _Search:
             self.ahead.hits, self.ahead.misses = (a - b for a, b in zip(aot_autograd_cache_counts(), before))
         self.stage = None
         return rows
+
+    def refined(self, chosen: list[Effect]) -> tuple[list[Effect] | None, Plan | None]:
+        """``chosen`` with its stage regions refined to blocks (:func:`_finer`), and its plan;
+        (None, None) where nothing is refined or it cannot be made (:meth:`made`)."""
+        def make() -> tuple[list[Effect] | None, Plan | None]:
+            finer = _finer(chosen, self.model)
+            return (finer, _plan([e.candidate for e in finer], self.model)) if finer else (None, None)
+
+        return self.made("the answer with its regions refined to blocks", make) or (None, None)
 
     def made(self, what: str, make: Callable[[], Any]) -> Any:
         """What ``make`` returns, or None where it raises, said in :attr:`skipped`: a plan autoplan
