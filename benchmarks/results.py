@@ -223,7 +223,7 @@ def bill_curves_section(rows: list[dict]) -> list[str]:
         "Each model's loss over 200 steps on text at hand offline (the installed torch's `nn/modules/*.py`, "
         "byte-tokenized; `bill.py curves`), same init and data: the exact step in backward (`in_backward`), the "
         "lossy row (bf16 weights, 8-bit state) and its 8-bit state alone (`state8`), the delayed CPU update "
-        "(`state_cpu_delayed`), and bf16 weights from a float32 master on the CPU rounded to nearest "
+        "(`state_cpu_delayed`; `_warm`: after 20 exact steps), and bf16 weights from a float32 master on the CPU rounded to nearest "
         "(`bf16_state_cpu`) or stochastically (`bf16_state_cpu_sr`). Every step's loss is in `bill.json`.")
 
 

@@ -127,6 +127,38 @@ def test_on_cuda_each_whole_model_step_and_the_base_run_before_the_rows_they_are
     rows.close()
 
 
+class _PruneRows:
+    """A fake row source for :meth:`_Search.on_top`: each plan's step time from ``times`` (9 ms
+    where it has none), each module's forward from ``forward``, and ``cached`` rows it holds."""
+    cuda = False
+
+    def __init__(self, times, forward, cached=()):
+        self.times, self.forward, self.measured = times, forward, []
+        self.cache = {(str(c), False): None for c in cached}
+
+    def __call__(self, wanted, isolate):
+        from types import SimpleNamespace
+
+        from shrinkwrap.report import Row
+        self.measured += [str(p) for p in wanted]
+        return [Row(p, SimpleNamespace(step_ms=self.times.get(str(p), 9.0), saved=100)) for p in wanted]
+
+    def forward_ms(self, plan):
+        return self.forward
+
+
+def _on_top(rows, prune):
+    """``_Search.on_top`` over the MLP's candidates with ``rows``, at a 9 ms limit (the baseline 8 ms)."""
+    from types import SimpleNamespace
+
+    from shrinkwrap.autoplan.stages import _Search
+    from shrinkwrap.report import Row
+
+    search = _Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, 9.0, False, False, 1.125)
+    return search, search.on_top((), candidates(mlp(), device="cpu"),
+                                 Row(sw.Plan(), SimpleNamespace(step_ms=8.0, saved=100)), prune)
+
+
 def test_regions_that_cannot_fit_the_time_limit_are_not_measured():
     # The least memory within a time limit of 9 ms: the base's row reads 8.5 ms (the baseline's 8),
     # swish() on top 6 ms. The room is the limit with its 3% tolerance and BEATEN's 10% (10.17 ms)
@@ -134,40 +166,31 @@ def test_regions_that_cannot_fit_the_time_limit_are_not_measured():
     # alone takes longer (the search prices it at that or more) is left unmeasured, and said so,
     # unless its row is cached already; the others, and every region where a budget or the
     # compiler decides (prune off), are measured.
-    from types import SimpleNamespace
-
-    from shrinkwrap.autoplan.stages import _Search
-    from shrinkwrap.report import Row
-
     cands = candidates(mlp(), device="cpu")
     forward = {"1": 12.0, "1.0": 1.0, "1.1": 3.0, "1.2": 4.4, "1.3": 5.0}
-    times = {"": 8.5, "swish()": 6.0}
-
-    class Rows:
-        cuda = False
-
-        def __init__(self):
-            self.measured = []
-            self.cache = {(str(next(c for c in cands if c.covers == ("1.3",))), False): None}
-
-        def __call__(self, wanted, isolate):
-            self.measured += [str(p) for p in wanted]
-            return [Row(p, SimpleNamespace(step_ms=times.get(str(p), 9.0), saved=100)) for p in wanted]
-
-        def forward_ms(self, plan):
-            return forward
-
     for prune, unmeasured in ((True, ["1", "1.2"]), (False, [])):
-        rows = Rows()
-        search = _Search(rows, mlp(), lambda r: r.profile.saved, 1000.0, 8.0, None, 9.0, False, False, 1.125)
-        effects, top, _, t, _ = search.on_top((), cands, Row(sw.Plan(), SimpleNamespace(step_ms=8.0, saved=100)),
-                                              prune)
+        rows = _PruneRows({"": 8.5, "swish()": 6.0}, forward, [next(c for c in cands if c.covers == ("1.3",))])
+        search, (effects, top, _, t, _) = _on_top(rows, prune)
         assert t == 8.5
         assert [c.covers[0] for c, _, _ in search.unmeasured] == unmeasured
         assert all(room == pytest.approx(4.17) and cost == forward[c.covers[0]] for c, cost, room in search.unmeasured)
         kept = [c for c in cands if not c.covers or c.covers[0] not in unmeasured]
         assert [e.candidate for e in effects] == kept and [r.plan for r in top] == [sw.Plan(c.steps) for c in kept]
         assert sorted(rows.measured) == sorted(["", *(str(sw.Plan(c.steps)) for c in kept)])
+
+
+def test_a_region_without_a_forward_time_is_measured_where_there_is_no_room():
+    # The base's row over the limit (11 ms; swish() wins nothing back): the room is negative,
+    # -0.83 ms. Every region with a forward time is left unmeasured; "1.0", whose forward was not
+    # timed, is measured, not looked up among the timed (that lookup was a KeyError of the
+    # candidate's id on EfficientNetV2, where the base's row read over the limit).
+    cands = candidates(mlp(), device="cpu")
+    forward = {"1": 12.0, "1.1": 3.0, "1.2": 4.4, "1.3": 5.0}
+    search, (effects, _, _, t, _) = _on_top(_PruneRows({"": 11.0, "swish()": 12.0}, forward), True)
+    assert t == 11.0
+    assert sorted(c.covers[0] for c, _, _ in search.unmeasured) == sorted(forward)
+    assert all(room == pytest.approx(-0.83) for _, _, room in search.unmeasured)
+    assert [e.candidate.covers for e in effects if e.candidate.covers] == [("1.0",)]
 
 
 def test_autoplan_leaves_regions_unmeasured_only_where_a_time_limit_alone_decides(monkeypatch):

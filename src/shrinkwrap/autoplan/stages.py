@@ -223,7 +223,9 @@ class _Search:
             won = sum(min(0.0, e.cost) for e in _effects(first, rows[1:], base, self.metric) if not e.error)
             room = self.max_t * (1 + self.tolerance + BEATEN) - t - won
             timed = {id(c): sum(forward[n] for n in c.covers) for c in regions if all(n in forward for n in c.covers)}
-            dear = [c for c in regions if timed.get(id(c), 0.0) > room]
+            # A region whose forward was not timed is measured: there is no price to leave it on,
+            # and where the base is over the limit already the room is below any price, 0 too.
+            dear = [c for c in regions if id(c) in timed and timed[id(c)] > room]
             self.unmeasured += [(c, timed[id(c)], room) for c in dear]
             left = [c for c in regions if c not in dear]
             stage.recount(stage.n - len(dear))
