@@ -126,6 +126,43 @@ def test_a_layer_with_a_stack_beside_a_layer_of_its_own_is_a_block_not_a_stage()
     assert blocks_by_depth(model) == [["1.0", "1.1"]]
 
 
+class EmbedStage(Stage):
+    """timm's FastViT stage: a patch embedding of a layer's size beside its Sequential of blocks."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.downsample = Layer()
+
+
+def test_a_stage_with_a_layer_beside_its_stack_keeps_that_layer_as_a_block_of_the_finer_grain():
+    from shrinkwrap.select import blocks_by_depth
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(EmbedStage(2), EmbedStage(2)), nn.Linear(8, 1))
+    assert blocks_by_depth(model) == [["1.0", "1.1"], ["1.0.downsample", "1.0.blocks.0", "1.0.blocks.1",
+                                                       "1.1.downsample", "1.1.blocks.0", "1.1.blocks.1"]]
+
+
+class Ghost(nn.Module):
+    """GhostNet's bottleneck: a residual block whose forward calls two layers by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ghost1, self.ghost2 = Layer(), Layer()
+
+    def forward(self, x):
+        return x + self.ghost2(self.ghost1(x))
+
+
+def test_a_block_alone_in_a_container_is_a_block_and_not_looked_inside():
+    # timm's GhostNet: stages of one bottleneck each, beside stages of several. The lone bottleneck
+    # is the block, as its brothers are: its two Ghost modules are no stack of blocks.
+    from shrinkwrap.select import blocks_by_depth
+
+    model = nn.Sequential(nn.Sequential(Ghost()), nn.Sequential(Ghost(), Ghost()), nn.Sequential(Ghost()))
+    assert block_groups(model) == [("", ["0", "1", "2"], False), ("1", ["1.0", "1.1"], True)]
+    assert blocks_by_depth(model) == [["0", "1", "2"], ["0", "1.0", "1.1", "2"]]
+
+
 def test_a_module_shared_under_two_names_is_one_block():
     shared = Layer()
     model = nn.Sequential(nn.Sequential(Layer(), shared), nn.Sequential(shared, Layer()))

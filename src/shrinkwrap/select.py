@@ -365,8 +365,8 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
     stacks of layers themselves (a T5 model's encoder and decoder, two ResNet towers): the layers
     are the blocks. Groups inside a block that is not itself a plain container (inside a residual
     block or a transformer layer) are left out: their parts are too small to be worth a
-    measurement; not inside a stage of a class of its own (:func:`_is_stage`: its stack of
-    layers in a Sequential, and beside it nothing of a layer's size). ``nested``: the group lies
+    measurement, as are those inside a container's lone block; not those inside a stage of a class
+    of its own (:func:`_is_stage`). ``nested``: the group lies
     inside another group's block (an EfficientNet stage inside ``features``). Types are read
     through shrinkwrap's wrappers: a stack with some blocks checkpointed is still one stack."""
     out: list[tuple[str, list[str], bool]] = []
@@ -393,8 +393,16 @@ def block_groups(model: nn.Module) -> list[tuple[str, list[str], bool]]:
             out.append((name, [n for n, _ in blocks], nested))
             # A stage of a class of its own (timm's ConvNeXt and MetaFormer stages) holds its stack
             # of layers in a container: looked inside, as a plain container is.
-            real_blocks += [n for n, m in blocks if not isinstance(m, CONTAINERS) and not _is_stage(m)]
+            # A container of one block (a GhostNet stage of one bottleneck) is that block.
+            lone = [(n, m) if not isinstance(m, CONTAINERS) else _lone(n, m) for n, m in blocks]
+            real_blocks += [n for n, m in lone if m is not None and not isinstance(m, CONTAINERS) and not _is_stage(m)]
     return out
+
+
+def _lone(name: str, container: nn.Module) -> tuple[str, nn.Module | None]:
+    """The one child with parameters of ``container``, by name, or ``(name, None)``."""
+    kids = [(f"{name}.{k}", unwrap(m)) for k, m in container.named_children() if has_params(m)]
+    return kids[0] if len(kids) == 1 else (name, None)
 
 
 def _layer(m: nn.Module) -> bool:
@@ -402,18 +410,31 @@ def _layer(m: nn.Module) -> bool:
     return sum(any(True for _ in x.parameters(recurse=False)) for x in m.modules()) >= 3
 
 
-def _stacked_layers(block: nn.Module) -> list[str]:
-    """The blocks of ``block``'s own stacks (:func:`block_groups`) that are layers."""
-    return [n for _, names, _ in block_groups(block) for n in names if _layer(block.get_submodule(n))]
+def _stacked_layers(block: nn.Module, kinds: tuple[type, ...] = (nn.Module,)) -> list[str]:
+    """The blocks of ``block``'s own stacks (:func:`block_groups`) that are layers, of the stacks
+    held in a module of one of ``kinds`` (every stack by default)."""
+    return [n for c, names, _ in block_groups(block) if isinstance(unwrap(block.get_submodule(c)), kinds)
+            for n in names if _layer(block.get_submodule(n))]
+
+
+def _side_layers(model: nn.Module, block: str, stacks: list[str]) -> list[str]:
+    """The children of the module ``block`` of a layer's size that hold none of the blocks
+    ``stacks``: a stage's downsample or patch embedding beside its stack."""
+    kids = ((f"{block}.{k}" if block else k, m) for k, m in model.get_submodule(block).named_children())
+    return [n for n, m in kids if _layer(unwrap(m)) and not any(lies_inside(s, n) for s in stacks)]
 
 
 def _is_stage(block: nn.Module) -> bool:
-    """Whether ``block`` is a stage: it holds a stack of layers, and beside the stack nothing of a
-    layer's size (a downsample, a norm). A transformer layer with a stack of experts beside its
-    attention is not one: its experts alone would leave the attention out of a grain of blocks."""
-    stacks = _stacked_layers(block)
+    """Whether ``block`` is a stage: it holds a stack of layers in a container, and beside the stack
+    nothing of a layer's size but, where the stack is a Sequential (run whole, in order), children
+    that are layers of their own (a FastViT stage's patch embedding: a block of its own in the
+    finer grain, :func:`blocks_by_depth`). Not a transformer layer with experts in a ModuleList
+    beside its attention (each expert called as its router says), nor a block whose forward calls
+    two layers by name (GhostNet's two Ghost modules): those are blocks."""
+    stacks = _stacked_layers(block, CONTAINERS)
+    sides = _side_layers(block, "", stacks) if stacks == _stacked_layers(block, (nn.Sequential,)) else []
     return bool(stacks) and not any(_layer(m) for n, m in block.named_modules() if n and not any(
-        lies_inside(n, s) or lies_inside(s, n) for s in stacks))
+        lies_inside(n, s) or lies_inside(s, n) for s in stacks + sides))
 
 
 def _holds_layers(block: nn.Module) -> bool:
@@ -439,8 +460,9 @@ def innermost_blocks(model: nn.Module, within: str = "") -> list[str]:
 def blocks_by_depth(model: nn.Module) -> list[list[str]]:
     """The model's blocks (:func:`block_groups`) a grain at each depth of its stacks: the
     outermost stacks' blocks first (a ConvNeXt's stages), each next list with every block that
-    holds a stack replaced by that stack's blocks, down to the blocks that hold none
-    (:func:`innermost_blocks`). A model of one stack has one grain.
+    holds a stack replaced by that stack's blocks and the layers beside them (a FastViT stage's
+    patch embedding), down to the blocks that hold none (:func:`innermost_blocks`). A model of
+    one stack has one grain.
 
     Example::
 
@@ -455,8 +477,11 @@ def blocks_by_depth(model: nn.Module) -> list[list[str]]:
     out: list[list[str]] = []
     for d in sorted(set(depth.values())):
         stages = [c for c, _, _ in groups if depth[c] <= d]
-        grain = sorted((b for c, names, _ in groups if depth[c] <= d for b in names
-                        if not any(lies_inside(s, b) for s in stages)), key=lambda b: order.get(b, len(order)))
+        blocks = [b for c, names, _ in groups if depth[c] <= d for b in names]
+        inner = [b for b in blocks if not any(lies_inside(s, b) for s in stages)]
+        # A block opened into its stack's blocks keeps what is of a layer's size beside the stack.
+        sides = [s for b in blocks if b not in inner for s in _side_layers(model, b, blocks)]
+        grain = sorted(set(inner + sides), key=lambda b: order.get(b, len(order)))
         if grain and grain not in out:
             out.append(grain)
     return out
