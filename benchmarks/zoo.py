@@ -114,7 +114,8 @@ def one(name: str, rounds: int, with_compile: bool) -> list[dict[str, Any]]:
 def again(name: str) -> dict[str, Any]:
     """compile=True called a second time on the model, in a fresh process (``--again``), after the
     first call left torch's on-disk caches (the FX graph and AOTAutograd caches, the autotune
-    results) warm: its seconds, whole and in the compile stage (``again_s``, ``again_stage_s``)."""
+    results) warm: its seconds, whole and in the compile stage (``again_s``, ``again_stage_s``), and
+    where the stage's went, with the graphs its processes took from the caches (``again_time``)."""
     import subprocess
 
     try:
@@ -135,7 +136,8 @@ def second_call(name: str) -> None:
     _, report = sw.autoplan(make, batch, max_slowdown=1.0, allow_lossy=True, device="cuda", compile=True)
     stage = stage_seconds(report.notes)
     print(json.dumps({"again_s": round(time.perf_counter() - started, 1),
-                      **({"again_stage_s": stage} if stage is not None else {})}), flush=True)
+                      **({"again_stage_s": stage} if stage is not None else {}),
+                      "again_time": [n for n in report.notes if n.startswith("of which")]}), flush=True)
 
 
 def stage_seconds(notes: list[str]) -> float | None:

@@ -133,7 +133,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
         ahead.append(([str(p) for p in plans], room, then, after))
         if then is not None:  # told once every plan has compiled: the processes measure next
             time.sleep(0.05)
-            compiled([50.0, 60.0, float("nan"), 80.0][:len(plans)])  # NaN: an earlier wave's process died first
+            compiled([50.0, 60.0, float("nan"), 80.0][:len(plans)], (3, 5))  # NaN: an earlier wave's process died first
             time.sleep(0.05)
         for i in range(len(plans)):  # each plan's entry arrives
             told.append(("arrived", i))
@@ -195,7 +195,7 @@ def test_the_compile_stage_compiles_its_inductor_plans_ahead_side_by_side(monkey
     assert 0.05 <= search.ahead.compiling < search.ahead.seconds - 0.04  # compiling, then measuring
     assert search.ahead.first == [50.0, 60.0, 80.0] and search.ahead.turns == [(2.0, 3.0), (9.0, None)]
     note = _ahead_note(search.ahead)  # where the stage's time went
-    assert "4 processes at once (the last compiled after " in note and "first iterations took 50.0-80.0 s)" in note
+    assert "4 processes at once (the last compiled after " in note and "first iterations took 50.0-80.0 s, 3 graph(s) from the compiler's on-disk caches and 5 anew)" in note
     assert "measuring 2 of them there, one at a time (a row 2.0-9.0 s, and timing 1 in turns 3.0 s)" in note
     assert "; 2 measured in this process" in note and "; 2 failed there, the first with BrokenProcessPool" in note
     # What each process does once all have compiled: its row, then its time in turns against the

@@ -170,7 +170,7 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     started = time.time()
     arrived = []
     at_once, out = compile_ahead(mlp, plans, torch.randn(16, 32), options, then=_measured,
-                                 compiled=lambda seconds: seen.append((time.time(), seconds)),
+                                 compiled=lambda seconds, cached: seen.append((time.time(), seconds)),
                                  finished=lambda i: arrived.append((i, time.time())))
     assert at_once == 3 and [text for *_, text in out] == [str(p) for p in plans]  # the one that failed too
     # Told as each plan's entry arrives, after its turn ended there.
@@ -186,7 +186,7 @@ def test_plans_compiled_ahead_are_then_measured_there_one_at_a_time_once_all_hav
     assert max(t for _, t in steps) < told and len(seconds) == 3 and all(0 < s < told - started for s in seconds)
     # One that dies: the other's turn never comes, and it ends with its first iterations' result.
     at_once, out = compile_ahead(_DiesSecond(tmp_path / "ticket"), plans[:2], torch.randn(16, 32), options, then=_measured,
-                                 compiled=lambda seconds: seen.append((time.time(), seconds)))
+                                 compiled=lambda seconds, cached: seen.append((time.time(), seconds)))
     (died,) = [o for o in out if o is not None]
     assert len(seen) == 1  # never all compiled
     assert at_once == 2 and out.count(None) == 1 and "BrokenProcessPool" in died
@@ -280,7 +280,7 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     told = []
     at_once, out = processes.compile_ahead(mlp, plans, torch.randn(16, 32), options,
                                            then=functools.partial(_keyed, keys=keys), after=_second,
-                                           compiled=lambda seconds: told.append((time.time(), seconds)))
+                                           compiled=lambda seconds, cached: told.append((time.time(), seconds)))
     assert at_once == 2 and [text for text, *_ in out] == [str(p) for p in plans]
     first, second, last = out[1], out[0], out[2]  # the first wave by key, then the second wave
     assert [before for *_, before in (first, second, last)] == [[], [0.0], [0.0, 1.0]]
@@ -288,6 +288,22 @@ def test_plans_compiled_ahead_where_not_all_run_at_once_go_in_waves_each_taking_
     # Told once, when the last wave had compiled, with every plan's first iterations.
     ((when, seconds),) = told
     assert second[2] < when and len(seconds) == 3 and all(s > 0 for s in seconds)
+
+
+def test_plans_compiled_ahead_say_how_many_graphs_came_from_the_on_disk_caches(tmp_path, monkeypatch):
+    # Inductor on the CPU, the caches in a folder of the test's own: the first call compiles each
+    # plan's graphs anew, a second call takes them all from the caches, and says so.
+    from shrinkwrap.processes import compile_ahead
+    from shrinkwrap.measuring.profile import Options
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the processes' own
+    plans = [sw.Plan.parse("compile()"), sw.Plan.parse("checkpoint('0'), compile()")]
+    told = []
+    for _ in range(2):
+        compile_ahead(mlp, plans, torch.randn(16, 32), Options(iterations=1, warmup=1, device="cpu"), then=_measured,
+                      compiled=lambda seconds, cached: told.append(cached))
+    (hits, misses), again = told
+    assert hits == 0 and misses >= 2 and again == (misses, 0)
 
 
 def _meet_on_exit(folder: str, count: int) -> None:

@@ -428,7 +428,9 @@ def _ahead_note(ahead: _Ahead) -> str:
     rows, timed = [r for r, _ in ahead.turns], [t for _, t in ahead.turns if t is not None]
     return (f"of which {ahead.seconds:.1f} s compiling {ahead.plans} plan(s) ahead, {ahead.at_once} processes at once"
             + (f" (the last compiled after {ahead.compiling:.1f} s; each plan's first iterations took "
-               f"{_span(ahead.first)} s)" if ahead.compiling is not None else "")
+               f"{_span(ahead.first)} s" + (f", {ahead.cached[0]} graph(s) from the compiler's on-disk caches and "
+                                            f"{ahead.cached[1]} anew" if ahead.cached else "") + ")"
+               if ahead.compiling is not None else "")
             + (f", and measuring {ahead.measured} of them there, one at a time (a row {_span(rows)} s"
                + (f", and timing {len(timed)} in turns {_span(timed)} s" if timed else "") + ")" if ahead.measured else "")
             + (f"; {rest} measured in this process, which compiled {ahead.hits} graph(s) from the compiler's "

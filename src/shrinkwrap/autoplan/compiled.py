@@ -106,6 +106,7 @@ class _Ahead:
     errors: list[str]
     compiling: float | None = None
     first: list[float] = dataclasses.field(default_factory=list)
+    cached: tuple[int, ...] = ()  # graphs the processes ahead compiled from the on-disk caches, and anew
     turns: list[tuple[float, float | None]] = dataclasses.field(default_factory=list)  # (row s, timing s or None)
     hits: int = 0
     misses: int = 0

@@ -118,10 +118,12 @@ class OverlappedRows(Rows):
         graphed = step.mode == "reduce-overhead"
         compiling: list[float] = []
         first: list[float] = []
+        cached: list[int] = []
 
-        def compiled(seconds: list[float]) -> None:
+        def compiled(seconds: list[float], graphs: tuple[int, int]) -> None:
             compiling.append(time.perf_counter() - started)
             first.extend(s for s in seconds if not math.isnan(s))
+            cached.extend(graphs)
             if not stage.i:  # one wave: the time left is the turns', not the compiling's
                 stage.restart()
             stage.say(f"the last compiled after {compiling[0]:.1f} s; measuring each where it compiled, one at a time")
@@ -138,5 +140,5 @@ class OverlappedRows(Rows):
         # again in its turn, its row alone on the GPU).
         errors = [e for e in out if isinstance(e, str)] + [r[0][1] for r in there.values() if isinstance(r[0], tuple)]
         return there, _Ahead(len(plans), at_once, time.perf_counter() - started, errors,
-                             compiling=compiling[0] if compiling else None, first=first,
+                             compiling=compiling[0] if compiling else None, first=first, cached=tuple(cached),
                              turns=[r[-1] for r in there.values()])

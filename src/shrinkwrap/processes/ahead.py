@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .._compat import aot_autograd_cache_counts
 from .._tree import tree_map
 from ..measuring.profile import Options
 from ..measuring.step import clean_device, setup_iteration, resolve_device
@@ -65,13 +66,15 @@ class _Turns:
     firsts: Any  # RawArray of one byte a plan: its first turn is over
     taken: Any  # RawValue: how many second turns were taken, an earlier wave's too
     left: Any  # RawArray of doubles: what each second turn left for the later ones, in turn order
+    cached: Any  # RawArray of ints, two a plan: AOTAutograd's cache hits and misses in its first iterations
 
     @classmethod
     def make(cls, context: Any, n: int, before: Sequence[float] = ()) -> "_Turns":
         """Turns for ``n`` processes, after second turns (of an earlier wave) that left ``before``."""
         return cls(context.RawArray("b", n), context.RawValue("b", 0), context.Lock(),
                    context.RawArray("d", [math.nan] * n), context.RawArray("d", n), context.RawArray("b", n),
-                   context.RawValue("i", len(before)), context.RawArray("d", [*before] + [math.inf] * n))
+                   context.RawValue("i", len(before)), context.RawArray("d", [*before] + [math.inf] * n),
+                   context.RawArray("i", 2 * n))
 
     def _until(self, ready: Callable[[], bool]) -> bool:
         """Poll until ``ready()``; False where a process died first."""
@@ -81,10 +84,12 @@ class _Turns:
             time.sleep(TURN_POLL)
         return True
 
-    def wait(self, i: int, seconds: float) -> bool:
-        """Plan ``i`` compiled in ``seconds``: wait until every plan has and this process holds
-        the lock; False (without the lock) where a process died first."""
+    def wait(self, i: int, seconds: float, cached: tuple[int, int] = (0, 0)) -> bool:
+        """Plan ``i`` compiled in ``seconds``, ``cached`` (its graphs from the on-disk caches, and
+        anew): wait until every plan has and this process holds the lock; False (without the
+        lock) where a process died first."""
         self.seconds[i] = seconds
+        self.cached[2 * i], self.cached[2 * i + 1] = cached
         self.compiled[i] = 1
         if not self._until(lambda: all(self.compiled)):
             return False
@@ -119,9 +124,10 @@ def _ahead(make: Callable[[], nn.Module], plan: Plan, batch: Any, options: Optio
     with ``after``, a second turn: ``after``'s result); or the first iterations' error or None,
     where a turn never came. An exception in a turn is this plan's entry, what it says: the
     others' turns go on (a plan out of memory where it is timed beside the baseline fails alone)."""
-    started = time.perf_counter()
+    started, before = time.perf_counter(), aot_autograd_cache_counts()
     error = _first_steps(make, plan, batch, options, settings)
-    if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started):
+    cached = tuple(a - b for a, b in zip(aot_autograd_cache_counts(), before))
+    if then is None or _TURNS is None or not _TURNS.wait(i, time.perf_counter() - started, cached):
         return error
     failed = None  # what a turn raised, as text: the plan's entry
     try:
@@ -159,7 +165,7 @@ def _processes_fitting(device: torch.device, room: int | None) -> int | None:
 
 def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: Any, options: Options,
                   room: int | None = None, then: Callable | None = None,
-                  compiled: Callable[[list[float]], None] | None = None,
+                  compiled: Callable[[list[float], tuple[int, int]], None] | None = None,
                   after: Callable | None = None, finished: Callable[[int], None] | None = None
                   ) -> tuple[int, list[Any]]:
     """Run each plan's first iterations in a fresh process of its own, several at once, so that
@@ -176,10 +182,11 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     holds what it compiled, and its CUDA context), the plans go in waves of as many as do, each
     wave compiling side by side and then taking its turns before the next one starts. For a
     process whose turn never came (one beside it died, which ends the others' waiting), the
-    plan's entry is its error or None, as without ``then``. With ``then``, ``compiled(seconds)``
-    (which must not raise) is called here within :data:`TURN_POLL` seconds of the last plan's
-    compiling, with the seconds each plan's first iterations took (where the time went:
-    compiling, then measuring; NaN for a plan of an earlier wave whose process died first);
+    plan's entry is its error or None, as without ``then``. With ``then``, ``compiled(seconds,
+    cached)`` (which must not raise) is called here within :data:`TURN_POLL` seconds of the last
+    plan's compiling, with the seconds each plan's first iterations took (where the time went:
+    compiling, then measuring; NaN for a plan of an earlier wave whose process died first) and
+    how many graphs they all compiled from the on-disk caches and how many anew (AOTAutograd's);
     never where a process of the last wave died first. An exception in ``then`` or ``after`` is
     the plan's entry (its text), and the others' turns go on.
 
@@ -226,6 +233,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
     context = multiprocessing.get_context("spawn")
     turns: _Turns | None = None
     seconds: list[float] = []  # each plan's first iterations, of the waves before
+    cached = [0, 0]  # graphs from the caches and anew, of the waves before
     out: list[Any] = [None] * len(plans)
     waiting = list(enumerate(plans))
     running: dict[concurrent.futures.Future, tuple[int, concurrent.futures.ProcessPoolExecutor]] = {}
@@ -243,6 +251,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                 if then is not None:
                     before = [] if turns is None else list(turns.left)
                     seconds += [] if turns is None else list(turns.seconds)
+                    cached = cached if turns is None else _cached(cached, turns)
                     turns = _Turns.make(context, min(at_once, len(waiting)), before)
                     watching = compiled is not None and len(waiting) <= at_once  # the last wave
                 while waiting and len(running) < at_once:
@@ -255,7 +264,7 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             if watching and all(turns.compiled):
                 watching = False
-                compiled(seconds + list(turns.seconds))
+                compiled(seconds + list(turns.seconds), tuple(_cached(cached, turns)))
             for future in done:
                 i, pool = running.pop(future)
                 try:
@@ -276,3 +285,8 @@ def compile_ahead(make: Callable[[], nn.Module], plans: Sequence[Plan], batch: A
         for _, pool in running.values():
             end_pool(stop_pool(pool), grace=0)
     return at_once, out
+
+
+def _cached(before: list[int], turns: _Turns) -> list[int]:
+    """``before`` (graphs from the caches, anew) with what the plans of ``turns`` compiled added."""
+    return [before[0] + sum(turns.cached[0::2]), before[1] + sum(turns.cached[1::2])]
